@@ -1,0 +1,224 @@
+"""Batched token sampling following vLLM v1: penalties, temperature, min-p, top-k, top-p, logprobs."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from kiln.sampling_params import SamplingParams
+
+
+@dataclass(slots=True)
+class Penalties:
+    """Repetition, frequency and presence penalties; built only when some row uses one."""
+
+    repetition: torch.Tensor  # [B, 1] float32, 1.0 where off
+    frequency: torch.Tensor  # [B, 1] float32, 0.0 where off
+    presence: torch.Tensor  # [B, 1] float32, 0.0 where off
+    prompt_mask: torch.Tensor  # [B, V] bool: the token occurs in the prompt
+    output_counts: torch.Tensor  # [B, V] int32: occurrences of the token in the output so far
+
+    @classmethod
+    def build(
+        cls,
+        params: list[SamplingParams],
+        prompt_ids: list[list[int]],
+        output_ids: list[list[int]],
+        vocab_size: int,
+        device: torch.device,
+    ) -> Penalties:
+        def column(values: list[float]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.float32, device=device)[:, None]
+
+        outputs = _padded(output_ids, vocab_size, device)
+        prompts = _padded(prompt_ids, vocab_size, device)
+        # The padding id is vocab_size: it lands in an extra column that is then dropped.
+        counts = torch.zeros(len(params), vocab_size + 1, dtype=torch.int32, device=device)
+        counts.scatter_add_(1, outputs, torch.ones_like(outputs, dtype=torch.int32))
+        mask = torch.zeros(len(params), vocab_size + 1, dtype=torch.bool, device=device)
+        mask.scatter_(1, prompts, True)
+        return cls(
+            repetition=column([p.repetition_penalty for p in params]),
+            frequency=column([p.frequency_penalty for p in params]),
+            presence=column([p.presence_penalty for p in params]),
+            prompt_mask=mask[:, :vocab_size],
+            output_counts=counts[:, :vocab_size],
+        )
+
+
+@dataclass(slots=True)
+class SamplingMetadata:
+    """Per-row sampling state for one step. Optional fields are None when no row needs them."""
+
+    temperature: torch.Tensor  # [B] float32, 1.0 on greedy rows
+    greedy: torch.Tensor  # [B] bool
+    all_greedy: bool
+    top_k: torch.Tensor | None  # [B] int64, vocab size where off
+    top_p: torch.Tensor | None  # [B] float32, 1.0 where off
+    min_p: torch.Tensor | None  # [B] float32, 0.0 where off
+    penalties: Penalties | None
+    logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None  # (rows, token ids, values)
+    banned: tuple[torch.Tensor, torch.Tensor] | None  # (rows, token ids)
+    generators: dict[int, torch.Generator]  # row -> its own generator, for seeded random rows only
+    want_logprobs: bool  # some row asked for logprobs, possibly 0 (the sampled token's only)
+    max_logprobs: int  # max over rows of params.logprobs (0 when none asked)
+
+    @classmethod
+    def build(
+        cls,
+        params: list[SamplingParams],
+        prompt_ids: list[list[int]],
+        output_ids: list[list[int]],
+        generators: list[torch.Generator | None],
+        banned_ids: list[list[int]],
+        vocab_size: int,
+        device: torch.device,
+    ) -> SamplingMetadata:
+        greedy = [p.greedy for p in params]
+
+        # Greedy rows never reach the filters: they count as off, so they don't trigger that work.
+        def per_row(value: Callable[[SamplingParams], float], off: float) -> list[float]:
+            return [off if p.greedy else value(p) for p in params]
+
+        temperature = per_row(lambda p: p.temperature, 1.0)
+        top_k = per_row(lambda p: min(p.top_k_or_off or vocab_size, vocab_size), vocab_size)
+        top_p = per_row(lambda p: p.top_p, 1.0)
+        min_p = per_row(lambda p: p.min_p, 0.0)
+        uses_penalties = any(
+            p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
+            for p in params
+        )
+
+        bias = [(row, tok, val) for row, p in enumerate(params) for tok, val in (p.logit_bias or {}).items()]
+        if any(not 0 <= tok < vocab_size for _, tok, _ in bias):
+            raise ValueError(f"logit_bias token ids must be in [0, {vocab_size})")
+        # A banned id outside the vocabulary can never be sampled anyway.
+        banned = [(row, tok) for row, ids in enumerate(banned_ids) for tok in ids if 0 <= tok < vocab_size]
+
+        def tensor(values: list, dtype: torch.dtype) -> torch.Tensor:
+            return torch.tensor(values, dtype=dtype, device=device)
+
+        return cls(
+            temperature=tensor(temperature, torch.float32),
+            greedy=tensor(greedy, torch.bool),
+            all_greedy=all(greedy),
+            top_k=tensor(top_k, torch.int64) if any(k < vocab_size for k in top_k) else None,
+            top_p=tensor(top_p, torch.float32) if any(p < 1.0 for p in top_p) else None,
+            min_p=tensor(min_p, torch.float32) if any(p > 0.0 for p in min_p) else None,
+            penalties=Penalties.build(params, prompt_ids, output_ids, vocab_size, device)
+            if uses_penalties
+            else None,
+            logit_bias=(
+                tensor([r for r, _, _ in bias], torch.int64),
+                tensor([t for _, t, _ in bias], torch.int64),
+                tensor([v for _, _, v in bias], torch.float32),
+            )
+            if bias
+            else None,
+            banned=(tensor([r for r, _ in banned], torch.int64), tensor([t for _, t in banned], torch.int64))
+            if banned
+            else None,
+            generators={row: g for row, g in enumerate(generators) if g is not None and not greedy[row]},
+            want_logprobs=any(p.logprobs is not None for p in params),
+            max_logprobs=max((p.logprobs or 0 for p in params), default=0),
+        )
+
+
+@dataclass(slots=True)
+class SamplerOutput:
+    token_ids: torch.Tensor  # [B] int64
+    logprob_token_ids: torch.Tensor | None  # [B, 1 + max_logprobs] int64: sampled token, then top-k ids
+    logprobs: torch.Tensor | None  # [B, 1 + max_logprobs] float32, same order
+    ranks: torch.Tensor | None  # [B] int64: rank of the sampled token (1 = most likely)
+
+
+class Sampler:
+    def __init__(self, generator: torch.Generator | None = None) -> None:
+        self.generator = generator  # for rows without a seed; None means torch's default
+
+    def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
+        # Work on a copy: the caller owns the logits, and logprobs come from the raw ones.
+        processed = apply_penalties(logits.to(torch.float32, copy=True), meta)
+        token_ids = processed.argmax(dim=-1)
+        if not meta.all_greedy:
+            token_ids = torch.where(meta.greedy, token_ids, self._sample(processed, meta))
+        if not meta.want_logprobs:
+            return SamplerOutput(token_ids, None, None, None)
+        return SamplerOutput(token_ids, *compute_logprobs(logits, token_ids, meta.max_logprobs))
+
+    def _sample(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+        logits.div_(meta.temperature[:, None])
+        if meta.min_p is not None:
+            probs = logits.softmax(dim=-1)
+            threshold = meta.min_p[:, None] * probs.amax(dim=-1, keepdim=True)
+            logits.masked_fill_(probs < threshold, float("-inf"))
+        if meta.top_k is not None or meta.top_p is not None:
+            logits = _top_k_top_p(logits, meta.top_k, meta.top_p)
+        probs = logits.softmax(dim=-1)
+
+        # argmax(p / q) with q ~ Exp(1) draws from p; a seeded row's noise comes only from its
+        # own generator, so its tokens don't depend on the rest of the batch.
+        noise = torch.empty_like(probs)
+        if len(meta.generators) < len(probs):
+            noise.exponential_(generator=self.generator)
+        for row, generator in meta.generators.items():
+            noise[row].exponential_(generator=generator)
+        # A zero draw would make 0 / 0 = nan on a filtered token, and argmax favours nan.
+        noise.clamp_min_(torch.finfo(noise.dtype).tiny)
+        return probs.div_(noise).argmax(dim=-1)
+
+
+def apply_penalties(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    """Banned ids, logit bias, then repetition/frequency/presence penalties; may modify logits in place."""
+    if meta.banned is not None:
+        logits[meta.banned] = float("-inf")
+    if meta.logit_bias is not None:
+        rows, ids, values = meta.logit_bias
+        logits.index_put_((rows, ids), values, accumulate=True)
+    pen = meta.penalties
+    if pen is not None:
+        in_output = pen.output_counts > 0
+        scale = torch.where(pen.prompt_mask | in_output, pen.repetition, 1.0)
+        logits = torch.where(logits > 0, logits / scale, logits * scale)
+        logits -= pen.frequency * pen.output_counts + pen.presence * in_output
+    return logits
+
+
+def _top_k_top_p(
+    logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None
+) -> torch.Tensor:
+    # Filtering by rank in sorted order keeps exactly k tokens even when logits tie.
+    sorted_logits, order = logits.sort(dim=-1, descending=True, stable=True)
+    if top_k is not None:
+        rank = torch.arange(logits.shape[-1], device=logits.device)
+        sorted_logits.masked_fill_(rank >= top_k[:, None], float("-inf"))
+    if top_p is not None:
+        probs = sorted_logits.softmax(dim=-1)
+        mass_before = probs.cumsum(dim=-1) - probs  # exactly 0 for the top token, which always stays
+        # Rows with top_p = 1 are skipped outright: rounding in the cumsum could cut their tail.
+        cut = (mass_before >= top_p[:, None]) & (top_p[:, None] < 1.0)
+        sorted_logits.masked_fill_(cut, float("-inf"))
+    return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
+
+
+def _padded(ids: list[list[int]], pad: int, device: torch.device) -> torch.Tensor:
+    width = max((len(row) for row in ids), default=0)
+    return torch.tensor([row + [pad] * (width - len(row)) for row in ids], dtype=torch.int64, device=device)
+
+
+def compute_logprobs(
+    logits: torch.Tensor, token_ids: torch.Tensor, k: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """log_softmax of logits [N,V]; returns (ids [N,1+k], logprobs [N,1+k], ranks [N]).
+
+    Each row lists the given token first, then the top-k; rank is 1 + the number of tokens with a
+    strictly greater logprob.
+    """
+    logprobs = logits.float().log_softmax(dim=-1)
+    token_ids = token_ids.long()[:, None]
+    chosen = logprobs.gather(-1, token_ids)
+    ranks = (logprobs > chosen).sum(dim=-1) + 1
+    top_values, top_ids = logprobs.topk(k, dim=-1)
+    return torch.cat([token_ids, top_ids], dim=1), torch.cat([chosen, top_values], dim=1), ranks

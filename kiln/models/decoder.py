@@ -1,0 +1,174 @@
+"""One generic decoder, built from an ArchSpec and its ModelDims. Read top to bottom: embed, layers, norm."""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kiln.models.spec import ArchSpec, ModelDims
+from kiln.ops.activation import ACTIVATIONS, silu_and_mul
+from kiln.ops.attention import AttnMetadata, attention
+from kiln.ops.moe import moe_experts, route
+from kiln.ops.norm import layer_norm, rms_norm
+from kiln.ops.rotary import apply_rotary, rope_cos_sin, rope_inv_freq
+
+
+def _param(*shape: int) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape), requires_grad=False)
+
+
+class Norm(nn.Module):
+    def __init__(self, kind: str, dim: int, eps: float) -> None:
+        super().__init__()
+        self.kind, self.eps = kind, eps
+        self.weight = _param(dim)
+        self.bias = _param(dim) if kind == "layer" else None
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.kind == "rms":
+            return rms_norm(x, self.weight, self.eps, residual)
+        return layer_norm(x, self.weight, self.bias, self.eps, residual)
+
+
+class Attention(nn.Module):
+    def __init__(self, d: ModelDims) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = d.num_heads, d.num_kv_heads, d.head_dim
+        self.q_size, self.kv_size = d.num_heads * d.head_dim, d.num_kv_heads * d.head_dim
+        self.qkv = nn.Linear(d.hidden_size, self.q_size + 2 * self.kv_size, bias=d.qkv_bias)
+        self.o = nn.Linear(self.q_size, d.hidden_size, bias=d.o_bias)
+        self.q_norm = Norm("rms", d.head_dim, d.norm_eps) if d.qk_norm else None
+        self.k_norm = Norm("rms", d.head_dim, d.norm_eps) if d.qk_norm else None
+        self.scale = d.head_dim**-0.5
+        self.sliding_window = d.sliding_window
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        cos_sin: torch.Tensor | None,
+        kv_cache: torch.Tensor,
+        meta: AttnMetadata,
+    ) -> torch.Tensor:
+        q, k, v = self.qkv(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q)[0], self.k_norm(k)[0]
+        if cos_sin is not None:
+            q, k = apply_rotary(positions, q, k, cos_sin)
+        o = attention(
+            q,
+            k,
+            v,
+            kv_cache,
+            meta.slot_mapping,
+            meta.query_start_loc,
+            meta.seq_lens,
+            meta.block_table,
+            self.scale,
+            self.sliding_window,
+        )
+        return self.o(o.flatten(1))
+
+
+class GatedMLP(nn.Module):
+    def __init__(self, d: ModelDims) -> None:
+        super().__init__()
+        self.gate_up = nn.Linear(d.hidden_size, 2 * d.intermediate_size, bias=d.mlp_bias)
+        self.down = nn.Linear(d.intermediate_size, d.hidden_size, bias=d.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(silu_and_mul(self.gate_up(x)))
+
+
+class PlainMLP(nn.Module):
+    def __init__(self, d: ModelDims) -> None:
+        super().__init__()
+        self.fc = nn.Linear(d.hidden_size, d.intermediate_size, bias=d.mlp_bias)
+        self.proj = nn.Linear(d.intermediate_size, d.hidden_size, bias=d.mlp_bias)
+        self.act = ACTIVATIONS[d.hidden_act]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(self.act(self.fc(x)))
+
+
+class MoE(nn.Module):
+    def __init__(self, d: ModelDims) -> None:
+        super().__init__()
+        self.top_k, self.renormalize = d.experts_per_token, d.moe_renormalize
+        self.router = nn.Linear(d.hidden_size, d.num_experts, bias=False)
+        self.w13 = _param(d.num_experts, 2 * d.moe_intermediate_size, d.hidden_size)
+        self.w2 = _param(d.num_experts, d.hidden_size, d.moe_intermediate_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = route(self.router(x), self.top_k, self.renormalize)
+        return moe_experts(x, self.w13, self.w2, weights, ids)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, spec: ArchSpec, d: ModelDims, index: int) -> None:
+        super().__init__()
+        self.attn_norm = Norm(spec.norm, d.hidden_size, d.norm_eps)
+        self.attn = Attention(d)
+        self.mlp_norm = Norm(spec.norm, d.hidden_size, d.norm_eps)
+        dense = GatedMLP if spec.mlp == "gated" else PlainMLP
+        self.mlp = MoE(d) if d.is_moe_layer(index) else dense(d)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        positions: torch.Tensor,
+        cos_sin: torch.Tensor | None,
+        kv_cache: torch.Tensor,
+        meta: AttnMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        h, residual = self.attn_norm(x, residual)
+        h = self.attn(h, positions, cos_sin, kv_cache, meta)
+        h, residual = self.mlp_norm(h, residual)
+        return self.mlp(h), residual
+
+
+class DecoderModel(nn.Module):
+    def __init__(self, spec: ArchSpec, d: ModelDims) -> None:
+        super().__init__()
+        self.spec, self.dims = spec, d
+        self.embed = nn.Embedding(d.vocab_size, d.hidden_size)
+        self.pos_embed = nn.Embedding(d.max_positions, d.hidden_size) if spec.positions == "learned" else None
+        self.layers = nn.ModuleList(DecoderLayer(spec, d, i) for i in range(d.num_layers))
+        self.norm = Norm(spec.norm, d.hidden_size, d.norm_eps)
+        self.lm_head = None if d.tie_word_embeddings else nn.Linear(d.hidden_size, d.vocab_size, bias=False)
+        self.cos_sin: torch.Tensor | None = None
+        self.logits_weight: torch.Tensor | None = None
+
+    def prepare(self, max_positions: int) -> None:
+        """After weights are loaded: the rotary table, and an fp32 LM head (logits are always fp32)."""
+        d = self.dims
+        device = self.embed.weight.device
+        if self.spec.positions == "rope":
+            inv_freq, scaling = rope_inv_freq(d.rotary_dim or d.head_dim, d.rope_theta, d.rope_scaling)
+            self.cos_sin = rope_cos_sin(inv_freq, max_positions, scaling).to(device)
+        head = self.embed.weight if self.lm_head is None else self.lm_head.weight
+        self.logits_weight = head if head.dtype == torch.float32 else head.float()
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        meta: AttnMetadata,
+    ) -> torch.Tensor:
+        x = self.embed(input_ids)
+        if self.pos_embed is not None:
+            x = x + self.pos_embed(positions)
+        residual = None
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            x, residual = layer(x, residual, positions, self.cos_sin, kv_cache, meta)
+        return self.norm(x, residual)[0]
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        assert self.logits_weight is not None, "call prepare() after loading weights"
+        return F.linear(hidden.float(), self.logits_weight)

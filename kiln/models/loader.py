@@ -1,0 +1,132 @@
+"""Loads a Hugging Face model folder into a DecoderModel, one safetensors shard at a time."""
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError, safe_open
+from tqdm import tqdm
+from transformers import AutoConfig
+
+from kiln.models.decoder import DecoderModel
+from kiln.models.registry import spec_for
+from kiln.models.spec import ArchSpec, ModelDims, Shard, expand, ignored, rule_applies
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class WeightError(ValueError):
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class _Target:
+    param: str
+    shard: Shard
+    expert: int | None
+    transpose: bool
+
+
+def load_config(path: Path) -> Any:
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"{path}: no config.json; a model folder needs config.json and *.safetensors")
+    return AutoConfig.from_pretrained(path, local_files_only=True)
+
+
+def resolve_dtype(dtype: str, config: Any) -> torch.dtype:
+    if dtype != "auto":
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of auto, {', '.join(DTYPES)}; got {dtype!r}")
+        return DTYPES[dtype]
+    declared = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    if isinstance(declared, torch.dtype):
+        return declared if declared in DTYPES.values() else torch.float32
+    return DTYPES.get(str(declared), torch.float32)
+
+
+def safetensors_files(path: Path) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        files = [path / n for n in names]
+    else:
+        files = sorted(path.glob("*.safetensors"))
+    missing = [f for f in files if not f.is_file()]
+    if missing or not files:
+        raise FileNotFoundError(
+            f"{path}: missing safetensors file(s): {[str(m) for m in missing] or '*.safetensors'}"
+        )
+    return files
+
+
+def load_model(path: Path, dtype: str = "auto", device: str | torch.device = "cpu") -> DecoderModel:
+    config = load_config(path)
+    spec = spec_for(getattr(config, "architectures", None))
+    dims = spec.dims(config)
+    with torch.device("meta"):
+        model = DecoderModel(spec, dims).to(resolve_dtype(dtype, config))
+    model.to_empty(device=device)
+    load_weights(model, spec, dims, safetensors_files(path))
+    model.prepare(dims.max_positions)
+    return model.eval()
+
+
+def weight_map(spec: ArchSpec, dims: ModelDims) -> dict[str, _Target]:
+    return {
+        src: _Target(param, shard, expert, rule.transpose)
+        for rule in spec.rules
+        if rule_applies(rule, dims)
+        for src, param, shard, expert in expand(rule, dims)
+    }
+
+
+def load_weights(model: DecoderModel, spec: ArchSpec, dims: ModelDims, files: list[Path]) -> None:
+    targets = weight_map(spec, dims)
+    params = dict(model.named_parameters())
+    loaded: set[str] = set()
+    unexpected: list[str] = []
+    with tqdm(total=len(targets), desc="Loading weights", unit="tensor", leave=False) as bar:
+        for file in files:
+            try:
+                handle = safe_open(file, framework="pt", device="cpu")
+            except (SafetensorError, OSError) as e:
+                raise WeightError(f"{file}: not a readable safetensors file ({e})") from e
+            with handle as f:
+                for raw in f.keys():  # noqa: SIM118 (safe_open has no __iter__)
+                    name = raw.removeprefix(spec.strip_prefix)
+                    target = targets.get(name)
+                    if target is None:
+                        if not (
+                            ignored(name, spec) or (name == "lm_head.weight" and dims.tie_word_embeddings)
+                        ):
+                            unexpected.append(raw)
+                        continue
+                    tensor = f.get_tensor(raw)
+                    _copy(params[target.param], target, tensor.t() if target.transpose else tensor, dims, raw)
+                    loaded.add(name)
+                    bar.update()
+    if unexpected:
+        raise WeightError(f"unexpected tensor(s) in checkpoint for {spec.name}: {', '.join(unexpected[:8])}")
+    missing = sorted(set(targets) - loaded)
+    if missing:
+        raise WeightError(f"missing tensor(s) in checkpoint for {spec.name}: {', '.join(missing[:8])}")
+    log.info("loaded %d tensors from %d file(s)", len(loaded), len(files))
+
+
+def _copy(param: torch.Tensor, t: _Target, tensor: torch.Tensor, d: ModelDims, name: str) -> None:
+    dst = param.data if t.expert is None else param.data[t.expert]
+    if t.shard in ("q", "k", "v"):
+        q, kv = d.num_heads * d.head_dim, d.num_kv_heads * d.head_dim
+        start, size = {"q": (0, q), "k": (q, kv), "v": (q + kv, kv)}[t.shard]
+        dst = dst.narrow(0, start, size)
+    elif t.shard in ("gate", "up"):
+        half = dst.shape[0] // 2
+        dst = dst.narrow(0, 0 if t.shard == "gate" else half, half)
+    if dst.shape != tensor.shape:
+        raise WeightError(f"{name}: shape {tuple(tensor.shape)} does not fit {t.param} {tuple(dst.shape)}")
+    dst.copy_(tensor)

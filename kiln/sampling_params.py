@@ -1,0 +1,68 @@
+from __future__ import annotations
+
+import msgspec
+
+_GREEDY_EPS = 1e-5
+
+
+class SamplingParams(msgspec.Struct, kw_only=True):
+    """What a request asks of decoding; names and defaults follow vLLM's."""
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: off
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    logit_bias: dict[int, float] | None = None
+    seed: int | None = None
+    max_tokens: int | None = 16  # None: up to max_model_len
+    min_tokens: int = 0
+    stop: list[str] = msgspec.field(default_factory=list)
+    stop_token_ids: list[int] = msgspec.field(default_factory=list)
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        checks = [
+            ("n", self.n >= 1, "must be at least 1"),
+            ("temperature", self.temperature >= 0.0, "must be non-negative"),
+            ("top_p", 0.0 < self.top_p <= 1.0, "must be in (0, 1]"),
+            ("top_k", self.top_k >= -1, "must be -1 (disable), 0 (disable) or at least 1"),
+            ("min_p", 0.0 <= self.min_p <= 1.0, "must be in [0, 1]"),
+            ("repetition_penalty", self.repetition_penalty > 0.0, "must be greater than zero"),
+            ("frequency_penalty", -2.0 <= self.frequency_penalty <= 2.0, "must be in [-2, 2]"),
+            ("presence_penalty", -2.0 <= self.presence_penalty <= 2.0, "must be in [-2, 2]"),
+            ("max_tokens", self.max_tokens is None or self.max_tokens >= 1, "must be at least 1"),
+            ("min_tokens", self.min_tokens >= 0, "must be non-negative"),
+            (
+                "min_tokens",
+                self.max_tokens is None or self.min_tokens <= self.max_tokens,
+                "must be less than or equal to max_tokens",
+            ),
+            ("logprobs", self.logprobs is None or self.logprobs >= 0, "must be non-negative"),
+            (
+                "prompt_logprobs",
+                self.prompt_logprobs is None or self.prompt_logprobs >= 0,
+                "must be non-negative",
+            ),
+            ("stop", all(s for s in self.stop), "must not contain empty strings"),
+        ]
+        for name, ok, why in checks:
+            if not ok:
+                raise ValueError(f"{name} {why}, got {getattr(self, name)!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < _GREEDY_EPS
+
+    @property
+    def top_k_or_off(self) -> int:
+        return self.top_k if self.top_k > 0 else 0
