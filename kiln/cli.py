@@ -1,0 +1,47 @@
+"""The `kiln` command line."""
+
+import argparse
+import logging
+from pathlib import Path
+
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
+def cmd_convert(args: argparse.Namespace) -> int:
+    parser: argparse.ArgumentParser = args.parser
+    if not args.src.is_file():
+        parser.error(f"GGUF file not found: {args.src}")
+    # Imported here so that `kiln --help` does not pay for torch and transformers.
+    from kiln.models.convert import convert_gguf
+
+    try:
+        convert_gguf(args.src, args.dest, progress=not args.no_progress)
+    except (OSError, ValueError) as e:
+        parser.exit(1, f"{parser.prog}: error: {e}\n")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kiln", description="An LLM serving stack.")
+    parser.add_argument("--log-level", default="INFO", type=str.upper, choices=LOG_LEVELS)
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    convert = commands.add_parser(
+        "convert", help="convert a llama GGUF file into a Hugging Face model folder"
+    )
+    convert.add_argument("src", type=Path, metavar="SRC.gguf")
+    convert.add_argument("dest", type=Path, metavar="DEST", help="folder to create; must not hold files")
+    convert.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    convert.set_defaults(run=cmd_convert, parser=convert)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+        logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        return args.run(args)
+    except SystemExit as e:
+        # argparse exits on bad usage (and --help); return its status so callers always get an int.
+        return e.code if isinstance(e.code, int) else 0 if e.code is None else 1

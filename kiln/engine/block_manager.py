@@ -1,0 +1,113 @@
+"""Hands out KV-cache blocks, counts references, and caches full blocks by a chained hash of their tokens."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from kiln.engine.request import Request
+
+
+@dataclass(slots=True)
+class Block:
+    id: int
+    ref_count: int = 0
+    hash: int | None = None
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        # Free blocks, least recently used first. A free block may still hold a cached prefix, which
+        # stays reusable until the block is handed out again (LRU eviction).
+        self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self.cached: dict[int, int] = {}  # block hash -> block id
+        self.prefix_queries = 0  # prompt tokens looked up in the prefix cache
+        self.prefix_hits = 0  # of those, tokens found
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def num_free(self) -> int:
+        return len(self.free)
+
+    @property
+    def usage(self) -> float:
+        return 1.0 - self.num_free / self.num_blocks
+
+    def update_hashes(self, req: Request) -> None:
+        """Extends req.block_hashes over every full block of its tokens: hash(parent hash, tokens)."""
+        bs = self.block_size
+        for i in range(len(req.block_hashes), req.num_tokens // bs):
+            parent = req.block_hashes[-1] if req.block_hashes else None
+            req.block_hashes.append(hash((parent, tuple(req.token_ids[i * bs : (i + 1) * bs]))))
+
+    def match_prefix(self, req: Request) -> int:
+        """Takes the longest cached prefix of a new request; returns the number of tokens it covers.
+        The last prompt token is always recomputed, since its logits are needed."""
+        if not self.enable_prefix_caching or req.params.prompt_logprobs is not None:
+            return 0
+        self.update_hashes(req)
+        limit = (req.num_tokens - 1) // self.block_size
+        hit: list[int] = []
+        for h in req.block_hashes[:limit]:
+            block_id = self.cached.get(h)
+            if block_id is None:
+                break
+            hit.append(block_id)
+        for block_id in hit:
+            self._take(block_id)
+        req.block_ids = hit
+        req.num_registered_blocks = len(hit)
+        self.prefix_queries += req.num_tokens
+        self.prefix_hits += len(hit) * self.block_size
+        return len(hit) * self.block_size
+
+    def allocate(self, req: Request, num_tokens: int) -> bool:
+        """Makes req hold blocks for its first num_tokens tokens; False (and no change) if it can't."""
+        need = -(-num_tokens // self.block_size) - len(req.block_ids)
+        if need > len(self.free):
+            return False
+        for _ in range(need):
+            block_id, _ = self.free.popitem(last=False)
+            block = self.blocks[block_id]
+            if block.hash is not None:
+                if self.cached.get(block.hash) == block_id:
+                    del self.cached[block.hash]
+                block.hash = None
+            block.ref_count = 1
+            req.block_ids.append(block_id)
+        return True
+
+    def cache_full_blocks(self, req: Request) -> None:
+        """Registers the blocks whose KV is now complete, so later requests can share them."""
+        if not self.enable_prefix_caching:
+            return
+        self.update_hashes(req)
+        full = req.num_computed_tokens // self.block_size
+        for i in range(req.num_registered_blocks, full):
+            block = self.blocks[req.block_ids[i]]
+            if block.hash is None:
+                block.hash = req.block_hashes[i]
+                self.cached.setdefault(block.hash, block.id)
+        req.num_registered_blocks = max(full, req.num_registered_blocks)
+
+    def free_request(self, req: Request) -> None:
+        # Tail blocks go to the LRU end first, so a request's prefix outlives its suffix.
+        for block_id in reversed(req.block_ids):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self.free[block_id] = None
+        req.block_ids = []
+        req.num_registered_blocks = 0
+
+    def _take(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        if block.ref_count == 0:
+            del self.free[block_id]
+        block.ref_count += 1

@@ -1,0 +1,281 @@
+"""The engine core: admits requests, runs steps (schedule -> execute -> update), and reports outputs."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import torch
+from transformers import AutoTokenizer, GenerationConfig
+
+from kiln.config import EngineConfig
+from kiln.engine.block_manager import BlockManager
+from kiln.engine.detokenizer import IncrementalDetokenizer, find_stop
+from kiln.engine.outputs import CompletionOutput, RequestOutput
+from kiln.engine.request import Logprob, PositionLogprobs, Request
+from kiln.engine.runner import ModelRunner, StepResult, kv_block_bytes
+from kiln.engine.scheduler import Scheduler
+from kiln.models.loader import load_model
+from kiln.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+def resolve_model(model: str) -> Path:
+    if model == "default":
+        from kiln.models.convert import default_model_dir
+
+        return default_model_dir()
+    path = Path(model).expanduser()
+    if not path.is_dir():
+        raise FileNotFoundError(f"model folder {model!r} does not exist (kiln never downloads from a hub)")
+    return path
+
+
+@dataclass(slots=True)
+class _Parent:
+    """A user request; with n > 1 it fans out into n sampled sequences that share the prompt."""
+
+    request_id: str
+    prompt: str | None
+    children: list[Request]
+    prompt_logprobs: list[PositionLogprobs | None] | None = None
+    done: set[int] = field(default_factory=set)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        started = time.perf_counter()
+        path = resolve_model(config.model.model)
+        self.model = load_model(path, config.model.dtype, config.model.device)
+        self.timings = {"load_weights": time.perf_counter() - started}
+        self.tokenizer = AutoTokenizer.from_pretrained(config.model.tokenizer or path, local_files_only=True)
+        self.model_path = path
+        dims = self.model.dims
+        self.max_model_len = config.model.max_model_len or dims.max_positions
+        if self.max_model_len > dims.max_positions:
+            raise ValueError(
+                f"max_model_len {self.max_model_len} exceeds the model's max_position_embeddings "
+                f"{dims.max_positions}"
+            )
+        block_size = config.cache.block_size
+        num_blocks = int(config.cache.kv_cache_gib * 2**30) // kv_block_bytes(
+            self.model, block_size, self.model.embed.weight.dtype
+        )
+        if num_blocks * block_size < self.max_model_len:
+            raise ValueError(
+                f"cache.kv_cache_gib={config.cache.kv_cache_gib} holds {num_blocks * block_size} tokens, "
+                f"fewer than max_model_len={self.max_model_len}; raise kv_cache_gib or lower max_model_len"
+            )
+        self.block_manager = BlockManager(num_blocks, block_size, config.cache.enable_prefix_caching)
+        self.scheduler = Scheduler(config.scheduler, self.block_manager)
+        self.runner = ModelRunner(self.model, config, num_blocks, self.max_model_len)
+        self.eos_token_ids = self._eos_ids(path)
+        self.parents: dict[str, _Parent] = {}
+        log.info(
+            "engine ready: %s (%s), %d KV blocks of %d tokens, max_model_len %d",
+            self.model.spec.name,
+            self.model.embed.weight.dtype,
+            num_blocks,
+            block_size,
+            self.max_model_len,
+        )
+
+    def _eos_ids(self, path: Path) -> set[int]:
+        ids = {self.tokenizer.eos_token_id} - {None}
+        if (path / "generation_config.json").is_file():
+            eos = GenerationConfig.from_pretrained(path).eos_token_id
+            ids |= set(eos if isinstance(eos, list) else [eos]) - {None}
+        return ids
+
+    # -- admission ----------------------------------------------------------------------------
+
+    def tokenize(self, prompt: str | list[int]) -> list[int]:
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        if not ids:
+            raise ValueError("prompt is empty")
+        vocab = self.model.dims.vocab_size
+        if any(not 0 <= t < vocab for t in ids):
+            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt has {len(ids)} tokens, which leaves no room to generate within "
+                f"max_model_len={self.max_model_len}"
+            )
+        return ids
+
+    def add_request(
+        self, request_id: str, prompt: str | list[int], params: SamplingParams, prompt_text: str | None = None
+    ) -> None:
+        """prompt: text, or token ids (then prompt_text, if given, is what RequestOutput.prompt reports)."""
+        if request_id in self.parents:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        ids = self.tokenize(prompt)
+        if isinstance(prompt, str):
+            prompt_text = prompt
+        children = []
+        for i in range(params.n):
+            p = (
+                params
+                if params.n == 1
+                else msgspec.structs.replace(
+                    params,
+                    n=1,
+                    seed=None if params.seed is None else params.seed + i,
+                    prompt_logprobs=params.prompt_logprobs if i == 0 else None,
+                )
+            )
+            child_id = f"{request_id}-{i}" if params.n > 1 else request_id
+            children.append(self._request(child_id, request_id, ids, p))
+        self.parents[request_id] = _Parent(request_id, prompt_text, children)
+        for child in children:
+            self.scheduler.add(child)
+
+    def _request(self, request_id: str, parent_id: str, ids: list[int], p: SamplingParams) -> Request:
+        banned = (
+            []
+            if p.min_tokens == 0
+            else sorted(set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos_token_ids))
+        )
+        generator = None
+        if p.seed is not None:
+            generator = torch.Generator(device=self.runner.device).manual_seed(p.seed)
+        return Request(
+            request_id=request_id,
+            parent_id=parent_id,
+            params=p,
+            token_ids=list(ids),
+            num_prompt_tokens=len(ids),
+            max_tokens=p.max_tokens or self.max_model_len - len(ids),
+            detokenizer=IncrementalDetokenizer(self.tokenizer, ids, p.skip_special_tokens),
+            generator=generator,
+            min_tokens_banned=banned,
+            logprobs=[] if p.logprobs is not None else None,
+            prompt_logprobs=[None] if p.prompt_logprobs is not None else None,
+        )
+
+    def abort(self, request_id: str) -> None:
+        parent = self.parents.pop(request_id, None)
+        for child in parent.children if parent else []:
+            if not child.finished:
+                self.scheduler.finish(child)
+                child.finish_reason = "abort"
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # -- the step -----------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        batch = self.scheduler.schedule()
+        if not batch.requests:
+            return []
+        result = self.runner.execute(batch)
+        for req, n in zip(batch.requests, batch.num_new_tokens, strict=True):
+            req.num_computed_tokens += n
+            self.block_manager.cache_full_blocks(req)
+        touched = self._update(result)
+        return [self._output(p) for p in touched]
+
+    def _update(self, result: StepResult) -> list[_Parent]:
+        for req, pl in result.prompt_logprobs.items():
+            assert req.prompt_logprobs is not None
+            ks = [req.params.prompt_logprobs or 0] * len(pl.ranks)
+            req.prompt_logprobs += self._logprob_dicts(
+                pl.ids.tolist(), pl.logprobs.tolist(), pl.ranks.tolist(), ks
+            )
+        out = result.output
+        if out is None:
+            return []
+        tokens = out.token_ids.tolist()
+        if out.logprobs is not None:
+            ks = [r.params.logprobs or 0 for r in result.sampled]
+            rows = self._logprob_dicts(
+                out.logprob_token_ids.tolist(), out.logprobs.tolist(), out.ranks.tolist(), ks
+            )
+        touched: dict[str, _Parent] = {}
+        for i, (req, token) in enumerate(zip(result.sampled, tokens, strict=True)):
+            req.token_ids.append(token)
+            if req.logprobs is not None:
+                req.logprobs.append(rows[i])
+                req.cumulative_logprob += rows[i][token].logprob
+            self._check_stop(req, token)
+            touched[req.parent_id] = self.parents[req.parent_id]
+        return list(touched.values())
+
+    def _check_stop(self, req: Request, token: int) -> None:
+        p = req.params
+        new_text = req.detokenizer.step([token])
+        req.text += new_text
+        reason: tuple[str, int | str | None] | None = None
+        if req.num_output_tokens >= p.min_tokens:
+            if not p.ignore_eos and token in self.eos_token_ids:
+                reason = ("stop", None)
+            elif token in p.stop_token_ids:
+                reason = ("stop", token)
+            elif p.stop and (hit := find_stop(req.text, len(new_text), p.stop)):
+                start, stop = hit
+                req.text = req.text[: start + len(stop)] if p.include_stop_str_in_output else req.text[:start]
+                reason = ("stop", stop)
+        if reason is None and (
+            req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.max_model_len
+        ):
+            reason = ("length", None)
+        if reason is not None:
+            req.finish_reason, req.stop_reason = reason
+            self.scheduler.finish(req)
+
+    def _logprob_dicts(
+        self, ids: list[list[int]], logprobs: list[list[float]], ranks: list[int], ks: list[int]
+    ) -> list[PositionLogprobs]:
+        """Rows of (token, then top-k) -> {token id: Logprob}, keeping each row's own k."""
+        out = []
+        for row_ids, row_lps, rank, k in zip(ids, logprobs, ranks, ks, strict=True):
+            words = self.tokenizer.batch_decode([[t] for t in row_ids[: 1 + k]])
+            entry = {row_ids[0]: Logprob(row_lps[0], rank, words[0])}
+            for j in range(1, 1 + k):
+                entry.setdefault(row_ids[j], Logprob(row_lps[j], j, words[j]))
+            out.append(entry)
+        return out
+
+    def _output(self, parent: _Parent) -> RequestOutput:
+        first = parent.children[0]
+        outputs = [
+            CompletionOutput(
+                index=i,
+                text=c.text,
+                token_ids=c.output_token_ids,
+                cumulative_logprob=c.cumulative_logprob if c.logprobs is not None else None,
+                logprobs=list(c.logprobs) if c.logprobs is not None else None,
+                finish_reason=c.finish_reason,
+                stop_reason=c.stop_reason,
+            )
+            for i, c in enumerate(parent.children)
+        ]
+        finished = all(c.finished for c in parent.children)
+        if finished:
+            del self.parents[parent.request_id]
+        return RequestOutput(
+            request_id=parent.request_id,
+            prompt=parent.prompt,
+            prompt_token_ids=first.prompt_token_ids,
+            prompt_logprobs=first.prompt_logprobs,
+            outputs=outputs,
+            finished=finished,
+            num_cached_tokens=first.num_cached_tokens,
+        )
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "running": len(self.scheduler.running),
+            "waiting": len(self.scheduler.waiting),
+            "kv_cache_usage": self.block_manager.usage,
+            "prefix_cache_queries": self.block_manager.prefix_queries,
+            "prefix_cache_hits": self.block_manager.prefix_hits,
+            "preemptions": self.scheduler.num_preemptions,
+        }

@@ -1,0 +1,78 @@
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from kiln.engine.detokenizer import IncrementalDetokenizer
+from kiln.sampling_params import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(slots=True)
+class Logprob:
+    logprob: float
+    rank: int
+    decoded_token: str
+
+
+# One entry per position: the sampled (or prompt) token's id -> Logprob, then the top-k.
+PositionLogprobs = dict[int, Logprob]
+
+
+@dataclass(slots=True, eq=False)
+class Request:
+    """One sequence being generated. `token_ids` is prompt + output; the KV of the first
+    `num_computed_tokens` of them is in the cache."""
+
+    request_id: str
+    parent_id: str  # the user's request id; differs from request_id only for n > 1
+    params: SamplingParams
+    token_ids: list[int]
+    num_prompt_tokens: int
+    max_tokens: int
+    detokenizer: IncrementalDetokenizer
+    generator: torch.Generator | None = None
+    min_tokens_banned: list[int] = field(default_factory=list)  # EOS and stop ids, until min_tokens
+    status: Status = Status.WAITING
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first admission
+    block_ids: list[int] = field(default_factory=list)
+    block_hashes: list[int] = field(default_factory=list)
+    num_registered_blocks: int = 0  # leading blocks already offered to the prefix cache
+    text: str = ""
+    logprobs: list[PositionLogprobs] | None = None
+    prompt_logprobs: list[PositionLogprobs | None] | None = None
+    cumulative_logprob: float = 0.0
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.token_ids[: self.num_prompt_tokens]
+
+    @property
+    def banned_ids(self) -> list[int]:
+        return self.min_tokens_banned if self.num_output_tokens < self.params.min_tokens else []
+
+    @property
+    def finished(self) -> bool:
+        return self.status is Status.FINISHED

@@ -1,0 +1,143 @@
+"""Builds each step's flat batch in persistent buffers, runs the model, and samples."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from kiln.config import EngineConfig
+from kiln.engine.request import Request
+from kiln.engine.sampler import Sampler, SamplerOutput, SamplingMetadata, compute_logprobs
+from kiln.engine.scheduler import ScheduledBatch
+from kiln.models.decoder import DecoderModel
+from kiln.ops.attention import AttnMetadata
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class PromptLogprobs:
+    first_position: int  # prompt position whose *next* token the first row scores
+    ids: torch.Tensor  # [n, 1 + k]
+    logprobs: torch.Tensor  # [n, 1 + k]
+    ranks: torch.Tensor  # [n]
+
+
+@dataclass(slots=True)
+class StepResult:
+    sampled: list[Request]  # requests that reached the end of their tokens and got a new one
+    output: SamplerOutput | None
+    prompt_logprobs: dict[Request, PromptLogprobs]  # this step's rows of prompt logprobs
+
+
+def kv_block_bytes(model: DecoderModel, block_size: int, dtype: torch.dtype) -> int:
+    d = model.dims
+    return d.num_layers * 2 * block_size * d.num_kv_heads * d.head_dim * dtype.itemsize
+
+
+class ModelRunner:
+    def __init__(
+        self, model: DecoderModel, config: EngineConfig, num_blocks: int, max_model_len: int
+    ) -> None:
+        self.model = model
+        self.device = model.embed.weight.device
+        self.dtype = model.embed.weight.dtype
+        self.block_size = config.cache.block_size
+        d = model.dims
+        shape = (num_blocks, 2, self.block_size, d.num_kv_heads, d.head_dim)
+        self.kv_caches = [
+            torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(d.num_layers)
+        ]
+        max_tokens = config.scheduler.max_num_batched_tokens
+        max_seqs = config.scheduler.max_num_seqs
+        max_blocks = -(-max_model_len // self.block_size)
+        # Host staging buffers, allocated once; each step fills a prefix of them.
+        self.input_ids = np.zeros(max_tokens, dtype=np.int64)
+        self.positions = np.zeros(max_tokens, dtype=np.int64)
+        self.slot_mapping = np.zeros(max_tokens, dtype=np.int64)
+        self.query_start_loc = np.zeros(max_seqs + 1, dtype=np.int32)
+        self.seq_lens = np.zeros(max_seqs, dtype=np.int32)
+        self.block_table = np.zeros((max_seqs, max_blocks), dtype=np.int32)
+        generator = torch.Generator(device=self.device).manual_seed(config.model.seed)
+        self.sampler = Sampler(generator)
+        self.forward = model.forward
+        if config.compile.mode == "compiled":
+            self.forward = torch.compile(model.forward, fullgraph=True, dynamic=True)
+
+    def _tensor(self, array: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(array).to(self.device, non_blocking=True)
+
+    @torch.inference_mode()
+    def execute(self, batch: ScheduledBatch) -> StepResult:
+        reqs, num_new = batch.requests, np.asarray(batch.num_new_tokens, dtype=np.int64)
+        num_reqs, num_tokens = len(reqs), int(num_new.sum())
+        starts = np.fromiter((r.num_computed_tokens for r in reqs), dtype=np.int64, count=num_reqs)
+        cu = np.concatenate([[0], np.cumsum(num_new)])
+
+        # Per request, not per token: copy its new tokens and its block table row.
+        for i, r in enumerate(reqs):
+            self.input_ids[cu[i] : cu[i + 1]] = r.token_ids[starts[i] : starts[i] + num_new[i]]
+            self.block_table[i, : len(r.block_ids)] = r.block_ids
+        req_of_token = np.repeat(np.arange(num_reqs), num_new)
+        positions = np.arange(num_tokens) - cu[req_of_token] + starts[req_of_token]
+        self.positions[:num_tokens] = positions
+        self.slot_mapping[:num_tokens] = (
+            self.block_table[req_of_token, positions // self.block_size] * self.block_size
+            + positions % self.block_size
+        )
+        self.query_start_loc[: num_reqs + 1] = cu
+        self.seq_lens[:num_reqs] = starts + num_new
+
+        meta = AttnMetadata(
+            slot_mapping=self._tensor(self.slot_mapping[:num_tokens]),
+            query_start_loc=self._tensor(self.query_start_loc[: num_reqs + 1]),
+            seq_lens=self._tensor(self.seq_lens[:num_reqs]),
+            block_table=self._tensor(self.block_table[:num_reqs]),
+        )
+        hidden = self.forward(
+            self._tensor(self.input_ids[:num_tokens]),
+            self._tensor(self.positions[:num_tokens]),
+            self.kv_caches,
+            meta,
+        )
+
+        sampling = [i for i, r in enumerate(reqs) if starts[i] + num_new[i] == r.num_tokens]
+        prompt_logprobs = self._prompt_logprobs(reqs, starts, num_new, cu, hidden)
+        if not sampling:
+            return StepResult([], None, prompt_logprobs)
+        sampled = [reqs[i] for i in sampling]
+        logits = self.model.compute_logits(hidden[self._tensor(cu[1:][sampling] - 1)])
+        meta_s = SamplingMetadata.build(
+            [r.params for r in sampled],
+            [r.prompt_token_ids for r in sampled],
+            [r.output_token_ids for r in sampled],
+            [r.generator for r in sampled],
+            [r.banned_ids for r in sampled],
+            logits.shape[-1],
+            self.device,
+        )
+        return StepResult(sampled, self.sampler(logits, meta_s), prompt_logprobs)
+
+    def _prompt_logprobs(
+        self,
+        reqs: list[Request],
+        starts: np.ndarray,
+        num_new: np.ndarray,
+        cu: np.ndarray,
+        hidden: torch.Tensor,
+    ) -> dict[Request, PromptLogprobs]:
+        out = {}
+        for i, r in enumerate(reqs):
+            k = r.params.prompt_logprobs
+            start = int(starts[i])
+            # Rows whose next token is still a prompt token.
+            end = min(start + int(num_new[i]), r.num_prompt_tokens - 1)
+            if k is None or end <= start:
+                continue
+            logits = self.model.compute_logits(hidden[int(cu[i]) : int(cu[i]) + end - start])
+            targets = torch.tensor(r.token_ids[start + 1 : end + 1], device=self.device)
+            out[r] = PromptLogprobs(start, *compute_logprobs(logits, targets, k))
+        return out

@@ -1,0 +1,102 @@
+"""Chooses each step's work: running requests first, then waiting ones, FCFS, within a token budget."""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from dataclasses import dataclass
+
+from kiln.config import SchedulerConfig
+from kiln.engine.block_manager import BlockManager
+from kiln.engine.request import Request, Status
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class ScheduledBatch:
+    requests: list[Request]
+    num_new_tokens: list[int]  # per request: tokens to compute this step (a prefill chunk, or 1)
+    num_preempted: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.num_new_tokens)
+
+    def __len__(self) -> int:
+        return len(self.requests)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+        self.max_num_seqs = config.max_num_seqs
+        self.max_num_batched_tokens = config.max_num_batched_tokens
+        self.block_manager = block_manager
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+
+    def add(self, req: Request) -> None:
+        self.waiting.append(req)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> ScheduledBatch:
+        budget = self.max_num_batched_tokens
+        batch = ScheduledBatch([], [])
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            while not self.block_manager.allocate(req, req.num_computed_tokens + num_new):
+                victim = self.running.pop()
+                self._preempt(victim)
+                batch.num_preempted += 1
+                if victim is req:
+                    break
+            else:
+                batch.requests.append(req)
+                batch.num_new_tokens.append(num_new)
+                budget -= num_new
+                i += 1
+        # After a preemption there is no room to spare: admitting would only thrash.
+        while (
+            self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not batch.num_preempted
+        ):
+            req = self.waiting[0]
+            if req.num_computed_tokens == 0:
+                hit = self.block_manager.match_prefix(req)
+                req.num_computed_tokens = hit
+                if req.num_cached_tokens == 0:
+                    req.num_cached_tokens = hit
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            if not self.block_manager.allocate(req, req.num_computed_tokens + num_new):
+                self.block_manager.free_request(req)
+                req.num_computed_tokens = 0
+                break
+            self.waiting.popleft()
+            req.status = Status.RUNNING
+            self.running.append(req)
+            batch.requests.append(req)
+            batch.num_new_tokens.append(num_new)
+            budget -= num_new
+        return batch
+
+    def _preempt(self, req: Request) -> None:
+        """Preemption by recompute: drop its KV; it resumes from the prefix cache or from scratch."""
+        self.block_manager.free_request(req)
+        req.num_computed_tokens = 0
+        req.status = Status.WAITING
+        self.waiting.appendleft(req)
+        self.num_preemptions += 1
+        log.debug("preempted %s (%d tokens)", req.request_id, req.num_tokens)
+
+    def finish(self, req: Request) -> None:
+        """Frees a finished or aborted request's blocks at once."""
+        if req.status is Status.RUNNING:
+            self.running.remove(req)
+        elif req.status is Status.WAITING:
+            self.waiting.remove(req)
+        self.block_manager.free_request(req)
+        req.status = Status.FINISHED

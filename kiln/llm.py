@@ -1,0 +1,102 @@
+"""The offline API: `LLM(model).generate(prompts, params)`, as in vLLM."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from typing import Any
+
+from tqdm import tqdm
+
+from kiln.config import EngineConfig
+from kiln.engine.engine import LLMEngine
+from kiln.engine.outputs import RequestOutput
+from kiln.sampling_params import SamplingParams
+
+Prompt = str | list[int] | dict[str, Any]
+Message = dict[str, Any]
+
+
+class LLM:
+    def __init__(self, model: str = "default", **options: Any) -> None:
+        self.engine = LLMEngine(EngineConfig.from_options(model, **options))
+        self._ids = itertools.count()
+
+    def get_tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Prompts: strings, token-id lists or {"prompt_token_ids": [...]} dicts; outputs keep their order."""
+        batch = _as_batch(prompts)
+        params = _params_for(batch, sampling_params)
+        # Tokenize and validate everything first, so a bad prompt leaves nothing half-queued.
+        token_ids = [self.engine.tokenize(p) for p in batch]
+        ids = [f"offline-{next(self._ids)}" for _ in batch]
+        for rid, prompt, toks, p in zip(ids, batch, token_ids, params, strict=True):
+            self.engine.add_request(rid, toks, p, prompt if isinstance(prompt, str) else None)
+        return self._run(ids, use_tqdm)
+
+    def chat(
+        self,
+        messages: list[Message] | list[list[Message]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> list[RequestOutput]:
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [
+            self.apply_chat_template(c, add_generation_prompt, chat_template_kwargs) for c in conversations
+        ]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def apply_chat_template(
+        self,
+        messages: list[Message],
+        add_generation_prompt: bool = True,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> list[int]:
+        if not messages:
+            raise ValueError("messages is empty")
+        return self.engine.tokenizer.apply_chat_template(
+            messages,
+            add_generation_prompt=add_generation_prompt,
+            tokenize=True,
+            return_dict=False,
+            **(chat_template_kwargs or {}),
+        )
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        done: dict[str, RequestOutput] = {}
+        with tqdm(total=len(ids), desc="Generating", unit="req", disable=not use_tqdm) as bar:
+            while self.engine.has_unfinished():
+                for out in self.engine.step():
+                    if out.finished:
+                        done[out.request_id] = out
+                        bar.update()
+        return [done[i] for i in ids]
+
+
+def _as_batch(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+    if isinstance(prompts, str | dict) or (
+        isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
+    ):
+        prompts = [prompts]  # type: ignore[list-item]
+    return [p["prompt_token_ids"] if isinstance(p, dict) else p for p in prompts]  # type: ignore[union-attr]
+
+
+def _params_for(
+    batch: list[Prompt], params: SamplingParams | Sequence[SamplingParams] | None
+) -> list[SamplingParams]:
+    if params is None:
+        return [SamplingParams()] * len(batch)
+    if isinstance(params, SamplingParams):
+        return [params] * len(batch)
+    if len(params) != len(batch):
+        raise ValueError(f"got {len(params)} sampling params for {len(batch)} prompts")
+    return list(params)
