@@ -1,0 +1,91 @@
+"""Weight loading: sharded folders, dtypes, and a clear error for each kind of bad checkpoint."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from kiln import LLM
+from kiln.models.loader import WeightError, load_model
+from kiln.models.registry import ARCHITECTURES, UnsupportedArchitecture
+from tests.models.tiny import build
+
+
+@pytest.fixture
+def llama(tmp_path: Path) -> Path:
+    build("llama", tmp_path)
+    return tmp_path
+
+
+def _edit_weights(path: Path, edit) -> None:  # noqa: ANN001
+    file = path / "model.safetensors"
+    tensors = load_file(file)
+    edit(tensors)
+    save_file(tensors, file, metadata={"format": "pt"})
+
+
+def test_sharded_checkpoint_loads_all_shards(tmp_path: Path) -> None:
+    hf = build("mixtral", tmp_path / "one")
+    hf.save_pretrained(tmp_path / "sharded", max_shard_size="100KB")
+    assert (tmp_path / "sharded" / "model.safetensors.index.json").is_file()
+    assert len(list((tmp_path / "sharded").glob("*.safetensors"))) > 2
+    one, sharded = load_model(tmp_path / "one", "float32"), load_model(tmp_path / "sharded", "float32")
+    for (name, a), (_, b) in zip(one.state_dict().items(), sharded.state_dict().items(), strict=True):
+        assert torch.equal(a, b), name
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+def test_dtype(llama: Path, dtype: str) -> None:
+    model = load_model(llama, dtype)
+    assert {p.dtype for p in model.parameters()} == {getattr(torch, dtype)}
+    assert model.logits_weight is not None and model.logits_weight.dtype == torch.float32
+
+
+def test_auto_dtype_follows_config(llama: Path) -> None:
+    config = json.loads((llama / "config.json").read_text())
+    config["dtype"] = "bfloat16"
+    (llama / "config.json").write_text(json.dumps(config))
+    assert load_model(llama, "auto").embed.weight.dtype == torch.bfloat16
+
+
+def test_unknown_architecture_lists_supported(llama: Path) -> None:
+    config = json.loads((llama / "config.json").read_text())
+    config["architectures"] = ["FooForCausalLM"]
+    (llama / "config.json").write_text(json.dumps(config))
+    with pytest.raises(UnsupportedArchitecture, match="FooForCausalLM") as e:
+        load_model(llama)
+    assert all(name in str(e.value) for name in ARCHITECTURES)
+
+
+def test_missing_tensor_is_named(llama: Path) -> None:
+    _edit_weights(llama, lambda t: t.pop("model.layers.1.self_attn.k_proj.weight"))
+    with pytest.raises(WeightError, match=r"missing tensor.*model\.layers\.1\.self_attn\.k_proj\.weight"):
+        load_model(llama)
+
+
+def test_unexpected_tensor_is_named(llama: Path) -> None:
+    _edit_weights(llama, lambda t: t.update({"model.layers.0.mystery.weight": torch.zeros(2)}))
+    with pytest.raises(WeightError, match=r"unexpected tensor.*model\.layers\.0\.mystery\.weight"):
+        load_model(llama)
+
+
+def test_wrong_shape_is_named(llama: Path) -> None:
+    _edit_weights(llama, lambda t: t.update({"model.norm.weight": torch.zeros(3)}))
+    with pytest.raises(WeightError, match=r"model\.norm\.weight: shape \(3,\)"):
+        load_model(llama)
+
+
+def test_corrupt_safetensors_is_named(llama: Path) -> None:
+    file = llama / "model.safetensors"
+    file.write_bytes(file.read_bytes()[:1000])
+    with pytest.raises(WeightError, match="model.safetensors: not a readable safetensors file"):
+        load_model(llama)
+
+
+def test_missing_model_folder(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match="does-not-exist"):
+        LLM(str(tmp_path / "does-not-exist"))
+    with pytest.raises(FileNotFoundError, match="no config.json"):
+        load_model(tmp_path)
