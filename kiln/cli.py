@@ -2,6 +2,7 @@
 
 import argparse
 import logging
+import sys
 from pathlib import Path
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
@@ -21,6 +22,24 @@ def cmd_convert(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_generate(args: argparse.Namespace) -> int:
+    from kiln import LLM, SamplingParams
+
+    try:
+        params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed)
+        llm = LLM(args.model, dtype=args.dtype)
+        if args.chat:
+            convs = [[{"role": "user", "content": p}] for p in args.prompts]
+            outputs = llm.chat(convs, params, use_tqdm=False)  # type: ignore[arg-type]
+        else:
+            outputs = llm.generate(args.prompts, params, use_tqdm=False)
+    except (OSError, ValueError) as e:
+        args.parser.exit(1, f"{args.parser.prog}: error: {e}\n")
+    for out in outputs:
+        sys.stdout.write(out.outputs[0].text + "\n")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kiln", description="An LLM serving stack.")
     parser.add_argument("--log-level", default="INFO", type=str.upper, choices=LOG_LEVELS)
@@ -33,6 +52,16 @@ def build_parser() -> argparse.ArgumentParser:
     convert.add_argument("dest", type=Path, metavar="DEST", help="folder to create; must not hold files")
     convert.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     convert.set_defaults(run=cmd_convert, parser=convert)
+
+    generate = commands.add_parser("generate", help="generate completions offline and print them")
+    generate.add_argument("prompts", nargs="+", metavar="PROMPT")
+    generate.add_argument("--model", default="default", help="model folder, or 'default' (SmolLM2-135M)")
+    generate.add_argument("--chat", action="store_true", help="wrap each prompt in the chat template")
+    generate.add_argument("--max-tokens", type=int, default=64)
+    generate.add_argument("--temperature", type=float, default=0.0)
+    generate.add_argument("--seed", type=int, default=None)
+    generate.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    generate.set_defaults(run=cmd_generate, parser=generate)
     return parser
 
 

@@ -1,5 +1,7 @@
 """One generic decoder, built from an ArchSpec and its ModelDims. Read top to bottom: embed, layers, norm."""
 
+import logging
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -7,9 +9,12 @@ from torch import nn
 from kiln.models.spec import ArchSpec, ModelDims
 from kiln.ops.activation import ACTIVATIONS, silu_and_mul
 from kiln.ops.attention import AttnMetadata, attention
+from kiln.ops.linear import Linear, native_matmul_dtypes
 from kiln.ops.moe import moe_experts, route
 from kiln.ops.norm import layer_norm, rms_norm
 from kiln.ops.rotary import apply_rotary, rope_cos_sin, rope_inv_freq
+
+log = logging.getLogger(__name__)
 
 
 def _param(*shape: int) -> nn.Parameter:
@@ -36,8 +41,8 @@ class Attention(nn.Module):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = d.num_heads, d.num_kv_heads, d.head_dim
         self.q_size, self.kv_size = d.num_heads * d.head_dim, d.num_kv_heads * d.head_dim
-        self.qkv = nn.Linear(d.hidden_size, self.q_size + 2 * self.kv_size, bias=d.qkv_bias)
-        self.o = nn.Linear(self.q_size, d.hidden_size, bias=d.o_bias)
+        self.qkv = Linear(d.hidden_size, self.q_size + 2 * self.kv_size, bias=d.qkv_bias)
+        self.o = Linear(self.q_size, d.hidden_size, bias=d.o_bias)
         self.q_norm = Norm("rms", d.head_dim, d.norm_eps) if d.qk_norm else None
         self.k_norm = Norm("rms", d.head_dim, d.norm_eps) if d.qk_norm else None
         self.scale = d.head_dim**-0.5
@@ -77,8 +82,8 @@ class Attention(nn.Module):
 class GatedMLP(nn.Module):
     def __init__(self, d: ModelDims) -> None:
         super().__init__()
-        self.gate_up = nn.Linear(d.hidden_size, 2 * d.intermediate_size, bias=d.mlp_bias)
-        self.down = nn.Linear(d.intermediate_size, d.hidden_size, bias=d.mlp_bias)
+        self.gate_up = Linear(d.hidden_size, 2 * d.intermediate_size, bias=d.mlp_bias)
+        self.down = Linear(d.intermediate_size, d.hidden_size, bias=d.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down(silu_and_mul(self.gate_up(x)))
@@ -87,8 +92,8 @@ class GatedMLP(nn.Module):
 class PlainMLP(nn.Module):
     def __init__(self, d: ModelDims) -> None:
         super().__init__()
-        self.fc = nn.Linear(d.hidden_size, d.intermediate_size, bias=d.mlp_bias)
-        self.proj = nn.Linear(d.intermediate_size, d.hidden_size, bias=d.mlp_bias)
+        self.fc = Linear(d.hidden_size, d.intermediate_size, bias=d.mlp_bias)
+        self.proj = Linear(d.intermediate_size, d.hidden_size, bias=d.mlp_bias)
         self.act = ACTIVATIONS[d.hidden_act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -99,7 +104,7 @@ class MoE(nn.Module):
     def __init__(self, d: ModelDims) -> None:
         super().__init__()
         self.top_k, self.renormalize = d.experts_per_token, d.moe_renormalize
-        self.router = nn.Linear(d.hidden_size, d.num_experts, bias=False)
+        self.router = Linear(d.hidden_size, d.num_experts, bias=False)
         self.w13 = _param(d.num_experts, 2 * d.moe_intermediate_size, d.hidden_size)
         self.w2 = _param(d.num_experts, d.hidden_size, d.moe_intermediate_size)
 
@@ -140,7 +145,7 @@ class DecoderModel(nn.Module):
         self.pos_embed = nn.Embedding(d.max_positions, d.hidden_size) if spec.positions == "learned" else None
         self.layers = nn.ModuleList(DecoderLayer(spec, d, i) for i in range(d.num_layers))
         self.norm = Norm(spec.norm, d.hidden_size, d.norm_eps)
-        self.lm_head = None if d.tie_word_embeddings else nn.Linear(d.hidden_size, d.vocab_size, bias=False)
+        self.lm_head = None if d.tie_word_embeddings else Linear(d.hidden_size, d.vocab_size, bias=False)
         self.cos_sin: torch.Tensor | None = None
         self.logits_weight: torch.Tensor | None = None
 
@@ -153,6 +158,11 @@ class DecoderModel(nn.Module):
             self.cos_sin = rope_cos_sin(inv_freq, max_positions, scaling).to(device)
         head = self.embed.weight if self.lm_head is None else self.lm_head.weight
         self.logits_weight = head if head.dtype == torch.float32 else head.float()
+        if head.dtype not in native_matmul_dtypes(device):
+            log.info("%s matmuls are slow on this %s: linear layers compute in float32", head.dtype, device)
+            for module in self.modules():
+                if isinstance(module, Linear):
+                    module.compute_dtype = torch.float32
 
     def forward(
         self,
