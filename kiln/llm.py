@@ -34,7 +34,9 @@ class LLM:
         """Prompts: strings, token-id lists or {"prompt_token_ids": [...]} dicts; outputs keep their order."""
         batch = _as_batch(prompts)
         params = _params_for(batch, sampling_params)
-        # Tokenize and validate everything first, so a bad prompt leaves nothing half-queued.
+        # Validate everything first, so a bad prompt leaves nothing half-queued.
+        for p in params:
+            self.engine.check_params(p)
         token_ids = [self.engine.tokenize(p) for p in batch]
         ids = [f"offline-{next(self._ids)}" for _ in batch]
         for rid, prompt, toks, p in zip(ids, batch, token_ids, params, strict=True):
@@ -73,12 +75,17 @@ class LLM:
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         done: dict[str, RequestOutput] = {}
-        with tqdm(total=len(ids), desc="Generating", unit="req", disable=not use_tqdm) as bar:
-            while self.engine.has_unfinished():
-                for out in self.engine.step():
-                    if out.finished:
-                        done[out.request_id] = out
-                        bar.update()
+        try:
+            with tqdm(total=len(ids), desc="Generating", unit="req", disable=not use_tqdm) as bar:
+                while self.engine.has_unfinished():
+                    for out in self.engine.step():
+                        if out.finished:
+                            done[out.request_id] = out
+                            bar.update()
+        finally:
+            for rid in ids:  # after an error (or Ctrl-C) nothing of this call stays queued
+                if rid not in done:
+                    self.engine.abort(rid)
         return [done[i] for i in ids]
 
 

@@ -24,6 +24,8 @@ from kiln.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
 
+MAX_LOGPROBS = 20  # vLLM's default cap on logprobs and prompt_logprobs
+
 
 def resolve_model(model: str) -> Path:
     if model == "default":
@@ -109,12 +111,24 @@ class LLMEngine:
             )
         return ids
 
+    def check_params(self, params: SamplingParams) -> None:
+        """What SamplingParams can't check alone: limits that depend on the model."""
+        vocab = self.model.dims.vocab_size
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(params, name)
+            if k is not None and k > MAX_LOGPROBS:
+                raise ValueError(f"{name} must be at most {MAX_LOGPROBS}, got {k}")
+        bad = [t for t in params.logit_bias or {} if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"logit_bias token ids must be in [0, {vocab}), got {bad[:4]}")
+
     def add_request(
         self, request_id: str, prompt: str | list[int], params: SamplingParams, prompt_text: str | None = None
     ) -> None:
         """prompt: text, or token ids (then prompt_text, if given, is what RequestOutput.prompt reports)."""
         if request_id in self.parents:
             raise ValueError(f"request id {request_id!r} is already in use")
+        self.check_params(params)
         ids = self.tokenize(prompt)
         if isinstance(prompt, str):
             prompt_text = prompt
@@ -186,6 +200,7 @@ class LLMEngine:
         for req, pl in result.prompt_logprobs.items():
             assert req.prompt_logprobs is not None
             ks = [req.params.prompt_logprobs or 0] * len(pl.ranks)
+            del req.prompt_logprobs[pl.first_position + 1 :]  # a preempted request scores its prompt again
             req.prompt_logprobs += self._logprob_dicts(
                 pl.ids.tolist(), pl.logprobs.tolist(), pl.ranks.tolist(), ks
             )
@@ -210,18 +225,24 @@ class LLMEngine:
 
     def _check_stop(self, req: Request, token: int) -> None:
         p = req.params
-        new_text = req.detokenizer.step([token])
-        req.text += new_text
         reason: tuple[str, int | str | None] | None = None
         if req.num_output_tokens >= p.min_tokens:
             if not p.ignore_eos and token in self.eos_token_ids:
                 reason = ("stop", None)
             elif token in p.stop_token_ids:
                 reason = ("stop", token)
-            elif p.stop and (hit := find_stop(req.text, len(new_text), p.stop)):
-                start, stop = hit
-                req.text = req.text[: start + len(stop)] if p.include_stop_str_in_output else req.text[:start]
-                reason = ("stop", stop)
+        # As vLLM: the text of a stop token is left out unless include_stop_str_in_output.
+        if reason is None or p.include_stop_str_in_output:
+            new_text = req.detokenizer.step([token])
+            req.text += new_text
+            if reason is None and p.stop and req.num_output_tokens >= p.min_tokens:
+                hit = find_stop(req.text, len(new_text), p.stop)
+                if hit is not None:
+                    start, stop = hit
+                    req.text = (
+                        req.text[: start + len(stop)] if p.include_stop_str_in_output else req.text[:start]
+                    )
+                    reason = ("stop", stop)
         if reason is None and (
             req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.max_model_len
         ):
@@ -267,7 +288,7 @@ class LLMEngine:
             prompt_logprobs=first.prompt_logprobs,
             outputs=outputs,
             finished=finished,
-            num_cached_tokens=first.num_cached_tokens,
+            num_cached_tokens=max(0, first.num_cached_tokens),
         )
 
     def stats(self) -> dict[str, Any]:

@@ -42,7 +42,7 @@ class Request:
     min_tokens_banned: list[int] = field(default_factory=list)  # EOS and stop ids, until min_tokens
     status: Status = Status.WAITING
     num_computed_tokens: int = 0
-    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first admission
+    num_cached_tokens: int = -1  # prompt tokens served from the prefix cache at first admission
     block_ids: list[int] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)
     num_registered_blocks: int = 0  # leading blocks already offered to the prefix cache

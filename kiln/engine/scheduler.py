@@ -66,16 +66,15 @@ class Scheduler:
         ):
             req = self.waiting[0]
             if req.num_computed_tokens == 0:
-                hit = self.block_manager.match_prefix(req)
-                req.num_computed_tokens = hit
-                if req.num_cached_tokens == 0:
-                    req.num_cached_tokens = hit
+                req.num_computed_tokens = self.block_manager.match_prefix(req)
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
             if not self.block_manager.allocate(req, req.num_computed_tokens + num_new):
                 self.block_manager.free_request(req)
                 req.num_computed_tokens = 0
                 break
             self.waiting.popleft()
+            if req.num_cached_tokens < 0:
+                req.num_cached_tokens = req.num_computed_tokens
             req.status = Status.RUNNING
             self.running.append(req)
             batch.requests.append(req)

@@ -1,0 +1,279 @@
+from __future__ import annotations
+
+import math
+
+import msgspec
+import pytest
+import torch
+
+from kiln.engine.sampler import Sampler, SamplingMetadata, apply_penalties, compute_logprobs
+from kiln.sampling_params import SamplingParams
+
+CPU = torch.device("cpu")
+
+
+def build(
+    params: list[SamplingParams],
+    vocab_size: int,
+    prompt_ids: list[list[int]] | None = None,
+    output_ids: list[list[int]] | None = None,
+    generators: list[torch.Generator | None] | None = None,
+    banned_ids: list[list[int]] | None = None,
+) -> SamplingMetadata:
+    n = len(params)
+    return SamplingMetadata.build(
+        params,
+        prompt_ids or [[] for _ in range(n)],
+        output_ids or [[] for _ in range(n)],
+        generators or [None] * n,
+        banned_ids or [[] for _ in range(n)],
+        vocab_size,
+        CPU,
+    )
+
+
+def seeded(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def random_logits(rows: int, vocab_size: int, seed: int = 0) -> torch.Tensor:
+    return torch.randn(rows, vocab_size, generator=seeded(seed)) * 3
+
+
+def repeat_sample(params: SamplingParams, logits: torch.Tensor, draws: int, seed: int = 0) -> torch.Tensor:
+    """Sample one row `draws` times in a single batch of identical rows."""
+    batch = logits.expand(draws, -1).contiguous()
+    return Sampler(seeded(seed))(batch, build([params] * draws, logits.shape[-1])).token_ids
+
+
+def test_greedy_is_argmax_and_skips_random_work() -> None:
+    logits = random_logits(6, 50)
+    generator = seeded(0)
+    state = generator.get_state()
+    meta = build([SamplingParams(temperature=0.0, top_k=3, top_p=0.5)] * 6, 50)
+    out = Sampler(generator)(logits, meta)
+    assert meta.all_greedy
+    assert torch.equal(out.token_ids, logits.argmax(-1))
+    assert torch.equal(generator.get_state(), state)
+    assert out.logprobs is None and out.logprob_token_ids is None and out.ranks is None
+
+
+def test_top_k_1_equals_greedy_in_a_mixed_batch() -> None:
+    logits = random_logits(8, 50)
+    params = [SamplingParams(top_k=1, temperature=t) for t in (0.3, 1.0, 2.5, 7.0)]
+    params += [SamplingParams(temperature=0.0), SamplingParams(temperature=1.5)] * 2
+    meta = build(params, 50)
+    assert not meta.all_greedy
+    sampler = Sampler(seeded(1))
+    for _ in range(20):
+        ids = sampler(logits, meta).token_ids
+        picked = [0, 1, 2, 3, 4, 6]  # rows 5 and 7 sample freely
+        assert torch.equal(ids[picked], logits[picked].argmax(-1))
+
+
+def _step_logits(request: int, step: int, vocab_size: int) -> torch.Tensor:
+    """The model's logits for a request at a step, independent of the batch it is in."""
+    return random_logits(1, vocab_size, seed=1000 * request + step)[0]
+
+
+def _run(
+    requests: list[tuple[int, SamplingParams, int | None]], steps: int, vocab_size: int, order_seed: int
+):
+    """Decode `steps` tokens for each (request id, params, seed), shuffling the batch order each step."""
+    outputs: dict[int, list[int]] = {rid: [] for rid, _, _ in requests}
+    generators = {rid: seeded(seed) if seed is not None else None for rid, _, seed in requests}
+    sampler = Sampler(seeded(order_seed))
+    order = torch.Generator().manual_seed(order_seed)
+    for step in range(steps):
+        batch = [requests[i] for i in torch.randperm(len(requests), generator=order).tolist()]
+        # Requests that started earlier sit at later positions of their sequence.
+        positions = [step + 3 * rid for rid, _, _ in batch]
+        logits = torch.stack(
+            [_step_logits(rid, pos, vocab_size) for (rid, _, _), pos in zip(batch, positions, strict=True)]
+        )
+        meta = SamplingMetadata.build(
+            [p for _, p, _ in batch],
+            [[rid, rid + 1] for rid, _, _ in batch],
+            [outputs[rid] for rid, _, _ in batch],
+            [generators[rid] for rid, _, _ in batch],
+            [[] for _ in batch],
+            vocab_size,
+            CPU,
+        )
+        for (rid, _, _), token in zip(batch, sampler(logits, meta).token_ids.tolist(), strict=True):
+            outputs[rid].append(token)
+    return outputs
+
+
+def test_seeded_row_is_independent_of_the_batch() -> None:
+    vocab_size, steps = 40, 12
+    mine = (0, SamplingParams(seed=7, temperature=1.3, top_p=0.9, presence_penalty=0.5), 7)
+    others = [
+        (1, SamplingParams(temperature=0.8, top_k=5, repetition_penalty=1.3), None),
+        (2, SamplingParams(seed=3, min_p=0.1, logit_bias={4: 2.0}), 3),
+        (3, SamplingParams(temperature=0.0, frequency_penalty=1.0), None),
+    ]
+    alone = _run([mine], steps, vocab_size, order_seed=0)[0]
+    assert len(set(alone)) > 1
+    for order_seed in range(3):
+        assert _run([mine, *others], steps, vocab_size, order_seed)[0] == alone
+    # The same seed at a different position of the list and under other unseeded noise.
+    assert _run([*others, mine], steps, vocab_size, order_seed=9)[0] == alone
+
+
+def test_top_k_stays_in_top_k() -> None:
+    logits = torch.tensor([[0.5, 2.0, -1.0, 1.5, 0.0, 1.8, -0.5, 1.0]])
+    ids = repeat_sample(SamplingParams(top_k=3, temperature=2.0), logits, 4000)
+    assert set(ids.tolist()) == {1, 3, 5}
+
+
+def test_top_p_stays_in_nucleus() -> None:
+    probs = torch.tensor([[0.1, 0.4, 0.05, 0.3, 0.15]])
+    # Sorted: 0.4, 0.3 (cumulative 0.7 >= 0.65), so the nucleus is {1, 3}.
+    ids = repeat_sample(SamplingParams(top_p=0.65), probs.log(), 4000)
+    assert set(ids.tolist()) == {1, 3}
+    # The top token is kept even when it alone exceeds top_p.
+    assert set(repeat_sample(SamplingParams(top_p=0.01), probs.log(), 500).tolist()) == {1}
+
+
+def test_min_p_drops_unlikely_tokens() -> None:
+    probs = torch.tensor([[0.1, 0.5, 0.25, 0.15]])
+    # Threshold 0.4 * 0.5 = 0.2 keeps tokens 1 and 2.
+    ids = repeat_sample(SamplingParams(min_p=0.4), probs.log(), 4000)
+    assert set(ids.tolist()) == {1, 2}
+
+
+def test_banned_ids_never_sampled() -> None:
+    vocab_size, draws = 10, 3000
+    logits = torch.arange(vocab_size, dtype=torch.float32).expand(draws, -1).contiguous()
+    params = [SamplingParams(temperature=5.0)] * (draws - 1) + [SamplingParams(temperature=0.0)]
+    banned = [[9, 8, 3, 12]] * draws  # 12 is outside the vocabulary and ignored
+    ids = Sampler(seeded(0))(logits, build(params, vocab_size, banned_ids=banned)).token_ids
+    assert not {3, 8, 9} & set(ids.tolist())
+    assert ids[-1].item() == 7
+    assert len(set(ids.tolist())) == 7
+
+
+LOGITS = [2.0, 1.9, -1.0, 0.5, 1.8]
+PROMPT = [3]
+OUTPUT = [0, 0, 4]
+
+
+@pytest.mark.parametrize(
+    ("params", "banned", "expected"),
+    [
+        (SamplingParams(), [], [2.0, 1.9, -1.0, 0.5, 1.8]),
+        # Seen tokens 0, 3, 4: positive logits divided by the penalty.
+        (SamplingParams(repetition_penalty=1.5), [], [2.0 / 1.5, 1.9, -1.0, 0.5 / 1.5, 1.8 / 1.5]),
+        # Token 0 was generated twice, token 4 once.
+        (SamplingParams(frequency_penalty=0.06), [], [2.0 - 0.12, 1.9, -1.0, 0.5, 1.8 - 0.06]),
+        (SamplingParams(presence_penalty=0.06), [], [2.0 - 0.06, 1.9, -1.0, 0.5, 1.8 - 0.06]),
+        (SamplingParams(logit_bias={2: 3.5, 1: -0.5}), [], [2.0, 1.4, 2.5, 0.5, 1.8]),
+        # Bias comes before the repetition penalty: token 3 is (0.5 + 1.6) / 1.5, not 0.5 / 1.5 + 1.6.
+        (
+            SamplingParams(
+                repetition_penalty=1.5, frequency_penalty=0.1, presence_penalty=0.2, logit_bias={3: 1.6}
+            ),
+            [],
+            [2.0 / 1.5 - 0.2 - 0.2, 1.9, -1.0, 2.1 / 1.5, 1.8 / 1.5 - 0.1 - 0.2],
+        ),
+        (SamplingParams(logit_bias={0: 5.0}), [0], [-math.inf, 1.9, -1.0, 0.5, 1.8]),
+    ],
+)
+def test_penalties_and_bias_by_hand(params: SamplingParams, banned: list[int], expected: list[float]) -> None:
+    logits = torch.tensor([LOGITS])
+    greedy = msgspec.structs.replace(params, temperature=0.0)
+    meta = build([greedy], 5, prompt_ids=[PROMPT], output_ids=[OUTPUT], banned_ids=[banned])
+    want = torch.tensor([expected])
+    torch.testing.assert_close(apply_penalties(logits.clone(), meta), want)
+    assert Sampler()(logits, meta).token_ids.item() == want.argmax().item()
+
+
+def test_penalty_argmax_changes() -> None:
+    logits = torch.tensor([LOGITS, LOGITS, LOGITS, LOGITS, [-1.0, -1.2, -3.0, -2.0, -4.0]])
+    params = [
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=0.0, repetition_penalty=1.5),
+        SamplingParams(temperature=0.0, frequency_penalty=0.06),
+        SamplingParams(temperature=0.0, presence_penalty=0.06),
+        # Negative logits of seen tokens are multiplied by the penalty.
+        SamplingParams(temperature=0.0, repetition_penalty=1.5),
+    ]
+    meta = build(params, 5, prompt_ids=[PROMPT] * 5, output_ids=[OUTPUT] * 5)
+    assert Sampler()(logits, meta).token_ids.tolist() == [0, 1, 1, 0, 1]
+
+
+def test_logprobs_are_raw_and_ranked() -> None:
+    logits = random_logits(4, 30, seed=5)
+    top = logits.argsort(-1, descending=True)
+    # Row 0 bans its best token, so the sampled token is second; logprobs still come from the raw logits.
+    params = [
+        SamplingParams(temperature=0.0, logprobs=3),
+        SamplingParams(temperature=0.0, logprobs=0),
+        SamplingParams(temperature=0.9, top_k=4, logprobs=1),
+        SamplingParams(temperature=1.0),
+    ]
+    banned = [[top[0, 0].item()], [], [], []]
+    meta = build(params, 30, banned_ids=banned)
+    assert meta.want_logprobs and meta.max_logprobs == 3
+    out = Sampler(seeded(0))(logits, meta)
+    assert out.logprobs is not None and out.logprob_token_ids is not None and out.ranks is not None
+    assert out.logprobs.shape == out.logprob_token_ids.shape == (4, 4)
+
+    expected = torch.log_softmax(logits, -1)
+    assert out.token_ids[0].item() == top[0, 1].item()
+    assert out.ranks[0].item() == 2
+    assert out.token_ids[1].item() == top[1, 0].item()
+    assert out.ranks[1].item() == 1
+    for row in range(4):
+        token = out.token_ids[row].item()
+        assert out.logprob_token_ids[row, 0].item() == token
+        assert out.logprobs[row, 0].item() == expected[row, token].item()
+        assert out.ranks[row].item() == 1 + int((expected[row] > expected[row, token]).sum())
+        assert out.logprob_token_ids[row, 1:].tolist() == top[row, :3].tolist()
+        torch.testing.assert_close(out.logprobs[row, 1:], expected[row, top[row, :3]], rtol=0, atol=0)
+
+
+def test_logprobs_zero_returns_only_the_sampled_token() -> None:
+    logits = random_logits(2, 30)
+    out = Sampler()(logits, build([SamplingParams(temperature=0.0, logprobs=0)] * 2, 30))
+    assert out.logprobs is not None and out.logprobs.shape == (2, 1)
+    torch.testing.assert_close(out.logprobs[:, 0], torch.log_softmax(logits, -1).amax(-1), rtol=0, atol=0)
+
+
+def test_compute_logprobs_ties_and_order() -> None:
+    logits = torch.tensor([[1.0, 3.0, 3.0, 0.0], [1.0, 3.0, 3.0, 0.0]])
+    ids, logprobs, ranks = compute_logprobs(logits, torch.tensor([2, 0]), 2)
+    assert ranks.tolist() == [1, 3]  # a tie with the best token still ranks 1
+    assert ids[:, 0].tolist() == [2, 0]
+    assert set(ids[0, 1:].tolist()) == {1, 2}
+    expected = torch.log_softmax(logits, -1)
+    assert torch.equal(logprobs, expected.gather(1, ids))
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.5])
+def test_sampling_matches_softmax(temperature: float) -> None:
+    logits = torch.tensor([[1.0, 0.0, 2.0, -1.0, 0.5, 1.5]])
+    draws = 30_000
+    ids = repeat_sample(SamplingParams(temperature=temperature), logits, draws, seed=123)
+    observed = torch.bincount(ids, minlength=6).double()
+    expected = torch.softmax(logits[0].double() / temperature, -1) * draws
+    chi2 = ((observed - expected) ** 2 / expected).sum().item()
+    # 5 degrees of freedom: P(chi2 > 25) is about 1e-4; the draw is fixed by the seed.
+    assert chi2 < 25
+
+
+def test_seeded_rows_follow_softmax_too() -> None:
+    logits = torch.tensor([[0.0, 1.0, 2.0]])
+    draws = 3000
+    params = [SamplingParams(seed=i) for i in range(draws)]
+    meta = build(params, 3, generators=[seeded(i) for i in range(draws)])
+    ids = Sampler()(logits.expand(draws, -1).contiguous(), meta).token_ids
+    observed = torch.bincount(ids, minlength=3).double()
+    expected = torch.softmax(logits[0].double(), -1) * draws
+    assert ((observed - expected) ** 2 / expected).sum().item() < 20
+
+
+def test_logit_bias_outside_vocab_is_rejected() -> None:
+    with pytest.raises(ValueError, match="logit_bias"):
+        build([SamplingParams(logit_bias={10: 1.0})], 10)

@@ -1,0 +1,264 @@
+"""Scheduler unit tests, driven by fake steps (no model): the engine's bookkeeping is done by hand."""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+from kiln.config import SchedulerConfig
+from kiln.engine.block_manager import BlockManager
+from kiln.engine.request import Request, Status
+from kiln.engine.scheduler import ScheduledBatch, Scheduler
+from kiln.sampling_params import SamplingParams
+
+BS = 4
+_fresh = itertools.count(10_000)  # distinct token ids, so unrelated prompts never share a cached block
+
+
+def make_request(rid: str, prompt: list[int] | int, max_tokens: int = 16) -> Request:
+    token_ids = [next(_fresh) for _ in range(prompt)] if isinstance(prompt, int) else list(prompt)
+    return Request(
+        request_id=rid,
+        parent_id=rid,
+        params=SamplingParams(max_tokens=max_tokens),
+        token_ids=token_ids,
+        num_prompt_tokens=len(token_ids),
+        max_tokens=max_tokens,
+        detokenizer=None,  # type: ignore[arg-type]
+    )
+
+
+def make_scheduler(
+    num_blocks: int = 64, max_num_batched_tokens: int = 64, max_num_seqs: int = 16, caching: bool = True
+) -> Scheduler:
+    config = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
+    return Scheduler(config, BlockManager(num_blocks, BS, caching))
+
+
+def check_invariants(sched: Scheduler, batch: ScheduledBatch) -> None:
+    bm = sched.block_manager
+    assert batch.num_tokens <= sched.max_num_batched_tokens
+    assert len(sched.running) <= sched.max_num_seqs
+    assert all(n >= 1 for n in batch.num_new_tokens)
+    assert len({id(r) for r in batch.requests}) == len(batch.requests)
+    for req, n in zip(batch.requests, batch.num_new_tokens, strict=True):
+        assert req.status is Status.RUNNING and req in sched.running
+        assert req.num_computed_tokens + n <= req.num_tokens
+        assert len(req.block_ids) * BS >= req.num_computed_tokens + n
+    for req in sched.waiting:
+        assert req.status is Status.WAITING
+        assert req.block_ids == [] and req.num_computed_tokens == 0
+    # Every block reference is held by exactly one running request's table.
+    held: dict[int, int] = {}
+    for req in sched.running:
+        for b in req.block_ids:
+            held[b] = held.get(b, 0) + 1
+    assert {b.id: b.ref_count for b in bm.blocks if b.ref_count} == held
+    assert bm.num_free == bm.num_blocks - len(held)
+    assert set(bm.free).isdisjoint(held)
+
+
+def step(sched: Scheduler, next_token: int = 7) -> ScheduledBatch:
+    """What LLMEngine.step does around the model: advance computed tokens, sample, finish."""
+    batch = sched.schedule()
+    check_invariants(sched, batch)
+    for req, n in zip(batch.requests, batch.num_new_tokens, strict=True):
+        req.num_computed_tokens += n
+        sched.block_manager.cache_full_blocks(req)
+        if req.num_computed_tokens == req.num_tokens:
+            req.token_ids.append(next_token)
+            if req.num_output_tokens >= req.max_tokens:
+                sched.finish(req)
+    return batch
+
+
+def scheduled(batch: ScheduledBatch) -> list[tuple[str, int]]:
+    return [(r.request_id, n) for r, n in zip(batch.requests, batch.num_new_tokens, strict=True)]
+
+
+def test_long_prompt_is_prefilled_in_chunks_within_the_budget() -> None:
+    sched = make_scheduler(max_num_batched_tokens=8)
+    req = make_request("a", 21, max_tokens=3)
+    sched.add(req)
+    assert scheduled(step(sched)) == [("a", 8)]
+    assert req.num_computed_tokens == 8 and req.num_output_tokens == 0
+    assert scheduled(step(sched)) == [("a", 8)]
+    assert req.num_output_tokens == 0
+    assert scheduled(step(sched)) == [("a", 5)]  # the last chunk samples the first token
+    assert req.num_output_tokens == 1
+    assert scheduled(step(sched)) == [("a", 1)]
+    assert scheduled(step(sched)) == [("a", 1)]
+    assert req.finished and not sched.has_unfinished()
+    assert sched.block_manager.num_free == sched.block_manager.num_blocks
+
+
+def test_running_decodes_go_first_and_new_prefills_fill_the_rest_of_the_budget() -> None:
+    sched = make_scheduler(max_num_batched_tokens=10)
+    a, b, c = make_request("a", 6), make_request("b", 9), make_request("c", 4)
+    for r in (a, b, c):
+        sched.add(r)
+    assert scheduled(step(sched)) == [("a", 6), ("b", 4)]
+    assert scheduled(step(sched)) == [("a", 1), ("b", 5), ("c", 4)]
+    assert scheduled(step(sched)) == [("a", 1), ("b", 1), ("c", 1)]
+    d = make_request("d", 30)
+    sched.add(d)
+    assert scheduled(step(sched)) == [("a", 1), ("b", 1), ("c", 1), ("d", 7)]
+    assert scheduled(step(sched)) == [("a", 1), ("b", 1), ("c", 1), ("d", 7)]
+
+
+def test_budget_also_limits_running_prefills() -> None:
+    sched = make_scheduler(max_num_batched_tokens=6)
+    a, b = make_request("a", 10), make_request("b", 10)
+    sched.add(a)
+    sched.add(b)
+    assert scheduled(step(sched)) == [("a", 6)]
+    assert scheduled(step(sched)) == [("a", 4), ("b", 2)]
+    assert scheduled(step(sched)) == [("a", 1), ("b", 5)]
+    assert scheduled(step(sched)) == [("a", 1), ("b", 3)]
+    assert scheduled(step(sched)) == [("a", 1), ("b", 1)]
+
+
+def test_max_num_seqs_limits_running_requests() -> None:
+    sched = make_scheduler(max_num_seqs=2)
+    reqs = [make_request(f"r{i}", 3, max_tokens=2 + i) for i in range(4)]
+    for r in reqs:
+        sched.add(r)
+    assert scheduled(step(sched)) == [("r0", 3), ("r1", 3)]
+    assert [r.request_id for r in sched.waiting] == ["r2", "r3"]
+    assert scheduled(step(sched)) == [("r0", 1), ("r1", 1)]
+    assert reqs[0].finished  # two tokens: its slot frees up for r2
+    assert scheduled(step(sched)) == [("r1", 1), ("r2", 3)]
+    assert reqs[1].finished
+    assert scheduled(step(sched)) == [("r2", 1), ("r3", 3)]
+    while sched.has_unfinished():
+        step(sched)
+    assert all(r.finished and r.num_output_tokens == r.max_tokens for r in reqs)
+
+
+def test_waiting_requests_are_admitted_first_come_first_served() -> None:
+    # 6 blocks: "big" (7 blocks) can never be admitted while "small" holds two; FCFS keeps the later,
+    # smaller requests behind it instead of letting them overtake.
+    sched = make_scheduler(num_blocks=8, max_num_batched_tokens=64)
+    holder = make_request("holder", 5, max_tokens=2)
+    big = make_request("big", 28, max_tokens=1)
+    small = make_request("small", 3, max_tokens=1)
+    for r in (holder, big, small):
+        sched.add(r)
+    assert scheduled(step(sched)) == [("holder", 5)]
+    assert [r.request_id for r in sched.waiting] == ["big", "small"]
+    assert big.block_ids == [] and big.num_computed_tokens == 0
+    assert scheduled(step(sched)) == [("holder", 1)]
+    assert holder.finished
+    assert scheduled(step(sched)) == [("big", 28), ("small", 3)]
+
+
+def test_preemption_recomputes_the_newest_running_request() -> None:
+    # 4 blocks of 4 tokens: two requests of 5 tokens each hold two blocks; the first one to need a
+    # third block forces the newest running request out.
+    sched = make_scheduler(num_blocks=4)
+    # Requests never outgrow the whole cache (the engine guarantees that through max_model_len).
+    old, new = make_request("old", 5, max_tokens=8), make_request("new", 5, max_tokens=8)
+    late = make_request("late", 2, max_tokens=2)
+    sched.add(old)
+    sched.add(new)
+    assert scheduled(step(sched)) == [("old", 5), ("new", 5)]
+    for _ in range(3):  # tokens 6..8 of each
+        assert scheduled(step(sched)) == [("old", 1), ("new", 1)]
+    sched.add(late)
+    assert old.num_tokens == 9 and old.num_computed_tokens == 8
+    new_blocks = list(new.block_ids)
+
+    batch = step(sched)
+    assert scheduled(batch) == [("old", 1)]
+    assert batch.num_preempted == 1 and sched.num_preemptions == 1
+    assert new.status is Status.WAITING
+    assert new.num_computed_tokens == 0 and new.block_ids == []
+    assert list(sched.waiting) == [new, late]  # back in front of later arrivals
+    assert sched.running == [old]
+    assert len(old.block_ids) == 3
+    assert set(new_blocks) & set(old.block_ids)  # its freed blocks went to old
+    assert new.num_tokens == 9  # generated tokens are kept; only the KV is dropped
+
+    # It resumes (once there is room) by recomputing prompt and output, then samples its next token.
+    while new.status is Status.WAITING:
+        assert new.num_output_tokens == 4
+        step(sched)
+    assert old.finished
+    assert new.num_computed_tokens == 9 and new.num_output_tokens == 5
+    while sched.has_unfinished():
+        step(sched)
+    assert new.num_output_tokens == 8 and late.finished
+
+
+def test_newest_request_preempts_itself_when_it_cannot_grow() -> None:
+    sched = make_scheduler(num_blocks=3)
+    old, new = make_request("old", 5), make_request("new", 4)
+    sched.add(old)
+    sched.add(new)
+    assert scheduled(step(sched)) == [("old", 5), ("new", 4)]  # 2 blocks + 1 block: none left
+    # old still has room in its second block; new needs a second block and is itself the newest.
+    batch = step(sched)
+    assert scheduled(batch) == [("old", 1)]
+    assert batch.num_preempted == 1
+    assert sched.running == [old] and list(sched.waiting) == [new]
+    assert new.block_ids == [] and new.num_computed_tokens == 0 and new.num_tokens == 5
+    assert len(old.block_ids) == 2 and sched.block_manager.num_free == 1
+
+
+def test_prefix_hit_on_admission_skips_computed_tokens() -> None:
+    sched = make_scheduler(max_num_batched_tokens=64)
+    prefix = list(range(500, 512))
+    a = make_request("a", [*prefix, 1, 2], max_tokens=1)
+    sched.add(a)
+    step(sched)
+    assert a.finished
+    b = make_request("b", [*prefix, 3], max_tokens=1)
+    sched.add(b)
+    assert scheduled(step(sched)) == [("b", 1)]
+    assert b.num_cached_tokens == 12
+    assert sched.block_manager.prefix_hits == 12
+
+
+def test_cached_token_count_is_that_of_the_first_admission() -> None:
+    """Request.num_cached_tokens is documented as the prompt tokens served from the prefix cache at
+    first admission: a preempted request that is re-admitted (finding its own earlier blocks in the
+    cache) must keep reporting its first admission's count, and never more than its prompt."""
+    sched = make_scheduler(num_blocks=4)
+    old, new = make_request("old", 5, max_tokens=5), make_request("new", 2, max_tokens=10)
+    sched.add(old)
+    sched.add(new)
+    step(sched)
+    assert old.num_cached_tokens == new.num_cached_tokens == 0
+    while sched.num_preemptions == 0:
+        step(sched)
+    assert new.status is Status.WAITING
+    assert new.num_tokens > BS  # its first block (prompt + output) is complete and cached
+    while sched.has_unfinished():
+        step(sched)
+    assert new.num_output_tokens == 10
+    assert new.num_cached_tokens <= new.num_prompt_tokens
+    assert new.num_cached_tokens == 0
+
+
+def test_random_workload_keeps_block_accounting_exact() -> None:
+    rng = random.Random(0)
+    sched = make_scheduler(num_blocks=24, max_num_batched_tokens=16, max_num_seqs=6)
+    shared = [rng.randrange(50) for _ in range(12)]
+    reqs = []
+    for i in range(30):
+        body = [rng.randrange(50) for _ in range(rng.randint(1, 30))]
+        prompt = [*shared, *body] if i % 3 == 0 else body
+        reqs.append(make_request(f"r{i}", prompt, max_tokens=rng.randint(1, 20)))
+    pending = list(reqs)
+    steps = 0
+    while pending or sched.has_unfinished():
+        if pending and rng.random() < 0.5:
+            sched.add(pending.pop(0))
+        step(sched, next_token=rng.randrange(50))
+        steps += 1
+        assert steps < 2000
+    assert all(r.finished and r.num_output_tokens == r.max_tokens for r in reqs)
+    assert sched.num_preemptions > 0
+    assert sched.block_manager.prefix_hits > 0
+    bm = sched.block_manager
+    assert bm.num_free == bm.num_blocks and all(b.ref_count == 0 for b in bm.blocks)
