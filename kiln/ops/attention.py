@@ -26,10 +26,9 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapp
 
 
 def _gather_kv(kv_cache: torch.Tensor, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """blocks [..., n] -> K, V of shape [..., KVH, n * block_size, D]."""
-    kv = kv_cache[blocks]  # [..., n, 2, bs, KVH, D]
-    k = kv.select(-4, 0).flatten(-4, -3).transpose(-3, -2)
-    v = kv.select(-4, 1).flatten(-4, -3).transpose(-3, -2)
+    """blocks [..., n] -> K, V of shape [..., n * block_size, KVH, D] (one gather copy each)."""
+    k = kv_cache[:, 0][blocks].flatten(-4, -3)
+    v = kv_cache[:, 1][blocks].flatten(-4, -3)
     return k, v
 
 
@@ -61,18 +60,19 @@ def attention(
         rows = torch.tensor([qsl[i] for i in decode])
         max_len = max(lens[i] for i in decode)
         n_blocks = -(-max_len // block_size)
-        kc, vc = _gather_kv(kv_cache, block_table[decode, :n_blocks])  # [Bd, KVH, L, D]
+        kc, vc = _gather_kv(kv_cache, block_table[decode, :n_blocks])  # [Bd, L, KVH, D]
         key_pos = torch.arange(n_blocks * block_size)
         ctx = seq_lens[decode, None]
         mask = key_pos < ctx
         if sliding_window > 0:
             mask &= key_pos >= ctx - sliding_window
-        out[rows] = _sdpa(q[rows].unsqueeze(2), kc, vc, mask[:, None, None, :], scale).squeeze(2)
+        out[rows] = _decode_attention(q[rows], kc, vc, mask, scale)
     for i, n in enumerate(q_lens):
         if n <= 1:
             continue
         ctx = lens[i]
         kc, vc = _gather_kv(kv_cache, block_table[i, : -(-ctx // block_size)])
+        kc, vc = kc.transpose(0, 1), vc.transpose(0, 1)  # [KVH, L, D]
         q_pos = torch.arange(ctx - n, ctx)[:, None]
         key_pos = torch.arange(kc.shape[-2])[None, :]
         mask = key_pos <= q_pos
@@ -81,6 +81,18 @@ def attention(
         qi = q[qsl[i] : qsl[i + 1]].transpose(0, 1)  # [H, n, D]
         out[qsl[i] : qsl[i + 1]] = _sdpa(qi, kc, vc, mask, scale).transpose(0, 1)
     return out
+
+
+def _decode_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """One query per sequence: q [B, H, D], k/v [B, L, KVH, D], mask [B, L] -> [B, H, D].
+    The heads sharing a KV head act as that head's queries, so K/V are never repeated per head."""
+    batch, num_heads, dim = q.shape
+    num_kv_heads = k.shape[2]
+    qg = q.view(batch, num_kv_heads, num_heads // num_kv_heads, dim)
+    out = _sdpa(qg, k.transpose(1, 2), v.transpose(1, 2), mask[:, None, None, :], scale)
+    return out.reshape(batch, num_heads, dim)
 
 
 def _sdpa(

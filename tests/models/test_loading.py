@@ -19,7 +19,7 @@ def llama(tmp_path: Path) -> Path:
     return tmp_path
 
 
-def _edit_weights(path: Path, edit) -> None:  # noqa: ANN001
+def _edit_weights(path: Path, edit) -> None:
     file = path / "model.safetensors"
     tensors = load_file(file)
     edit(tensors)
@@ -80,12 +80,12 @@ def test_wrong_shape_is_named(llama: Path) -> None:
 def test_corrupt_safetensors_is_named(llama: Path) -> None:
     file = llama / "model.safetensors"
     file.write_bytes(file.read_bytes()[:1000])
-    with pytest.raises(WeightError, match="model.safetensors: not a readable safetensors file"):
+    with pytest.raises(WeightError, match=r"model\.safetensors: not a readable safetensors file"):
         load_model(llama)
 
 
 def test_missing_model_folder(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError, match="does-not-exist"):
         LLM(str(tmp_path / "does-not-exist"))
-    with pytest.raises(FileNotFoundError, match="no config.json"):
+    with pytest.raises(FileNotFoundError, match=r"no config\.json"):
         load_model(tmp_path)
