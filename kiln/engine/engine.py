@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -45,8 +45,6 @@ class _Parent:
     request_id: str
     prompt: str | None
     children: list[Request]
-    prompt_logprobs: list[PositionLogprobs | None] | None = None
-    done: set[int] = field(default_factory=set)
 
 
 class LLMEngine:

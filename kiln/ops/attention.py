@@ -1,8 +1,15 @@
+import functools
 import itertools
+import logging
+import os
+import shutil
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -58,15 +65,9 @@ def attention(
     decode = [i for i, n in enumerate(q_lens) if n == 1]
     if decode:
         rows = torch.tensor([qsl[i] for i in decode])
-        max_len = max(lens[i] for i in decode)
-        n_blocks = -(-max_len // block_size)
-        kc, vc = _gather_kv(kv_cache, block_table[decode, :n_blocks])  # [Bd, L, KVH, D]
-        key_pos = torch.arange(n_blocks * block_size)
-        ctx = seq_lens[decode, None]
-        mask = key_pos < ctx
-        if sliding_window > 0:
-            mask &= key_pos >= ctx - sliding_window
-        out[rows] = _decode_attention(q[rows], kc, vc, mask, scale)
+        n_blocks = -(-max(lens[i] for i in decode) // block_size)
+        tables = block_table[decode, :n_blocks]
+        out[rows] = _paged_decode()(q[rows], kv_cache, tables, seq_lens[decode], scale, sliding_window)
     for i, n in enumerate(q_lens):
         if n <= 1:
             continue
@@ -83,16 +84,45 @@ def attention(
     return out
 
 
-def _decode_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float
+def paged_decode(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    sliding_window: int,
 ) -> torch.Tensor:
-    """One query per sequence: q [B, H, D], k/v [B, L, KVH, D], mask [B, L] -> [B, H, D].
-    The heads sharing a KV head act as that head's queries, so K/V are never repeated per head."""
+    """One query per sequence, straight from the paged cache: q [B, H, D] -> [B, H, D].
+
+    Written as gather, multiply and reduce so that Inductor fuses the block-table gather into the
+    reductions: compiled, it reads each K/V once instead of copying it out first (about 3x faster
+    on the 2-core CPU). Heads sharing a KV head are grouped, so K/V are never repeated per head."""
     batch, num_heads, dim = q.shape
-    num_kv_heads = k.shape[2]
-    qg = q.view(batch, num_kv_heads, num_heads // num_kv_heads, dim)
-    out = _sdpa(qg, k.transpose(1, 2), v.transpose(1, 2), mask[:, None, None, :], scale)
-    return out.reshape(batch, num_heads, dim)
+    num_blocks, block_size, num_kv_heads = block_table.shape[1], kv_cache.shape[2], kv_cache.shape[3]
+    qg = q.view(batch, 1, 1, num_kv_heads, num_heads // num_kv_heads, dim).float()
+    kv = kv_cache[block_table]  # [B, n, 2, bs, KVH, D]
+    scores = (qg * kv[:, :, 0].unsqueeze(-2).float()).sum(-1) * scale  # [B, n, bs, KVH, G]
+    pos = torch.arange(num_blocks * block_size, device=q.device).view(1, num_blocks, block_size, 1, 1)
+    ctx = seq_lens.view(-1, 1, 1, 1, 1)
+    masked = pos >= ctx
+    if sliding_window > 0:
+        masked |= pos < ctx - sliding_window
+    scores = scores.masked_fill(masked, float("-inf"))
+    probs = (scores - scores.amax(dim=(1, 2), keepdim=True)).exp()
+    probs = probs / probs.sum(dim=(1, 2), keepdim=True)
+    out = (probs.unsqueeze(-1) * kv[:, :, 1].unsqueeze(-2).float()).sum(dim=(1, 2))  # [B, KVH, G, D]
+    return out.reshape(batch, num_heads, dim).to(q.dtype)
+
+
+@functools.cache
+def _paged_decode() -> Callable[..., torch.Tensor]:
+    """paged_decode compiled once per process (Inductor's disk cache makes later processes quick);
+    eager where no C++ compiler is found. Not fullgraph: past dynamo's recompile limit (a process that
+    loads many differently shaped models, as the tests do) it runs eagerly instead of failing."""
+    if shutil.which(os.environ.get("CXX", "g++")) is None and shutil.which("clang++") is None:
+        log.warning("no C++ compiler found: paged decode attention runs eagerly (slower)")
+        return paged_decode
+    return torch.compile(paged_decode, dynamic=True)
 
 
 def _sdpa(
