@@ -107,10 +107,12 @@ class MoE(nn.Module):
         self.router = Linear(d.hidden_size, d.num_experts, bias=False)
         self.w13 = _param(d.num_experts, 2 * d.moe_intermediate_size, d.hidden_size)
         self.w2 = _param(d.num_experts, d.hidden_size, d.moe_intermediate_size)
+        self.compute_dtype: torch.dtype | None = None  # as Linear's
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = route(self.router(x), self.top_k, self.renormalize)
-        return moe_experts(x, self.w13, self.w2, weights, ids)
+        xc = x if self.compute_dtype is None else x.to(self.compute_dtype)
+        return moe_experts(xc, self.w13, self.w2, weights, ids).to(x.dtype)
 
 
 class DecoderLayer(nn.Module):
@@ -161,7 +163,7 @@ class DecoderModel(nn.Module):
         if head.dtype not in native_matmul_dtypes(device):
             log.info("%s matmuls are slow on this %s: linear layers compute in float32", head.dtype, device)
             for module in self.modules():
-                if isinstance(module, Linear):
+                if isinstance(module, Linear | MoE):
                     module.compute_dtype = torch.float32
 
     def forward(

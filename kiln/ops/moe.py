@@ -31,8 +31,9 @@ def moe_experts(
     start = 0
     for e, n in enumerate(counts):
         if n:
-            h = silu_and_mul(xs[start : start + n] @ w13[e].t())
-            out[start : start + n] = h @ w2[e].t()
+            # Weights may be stored narrower than x (bf16 on a CPU without bf16 GEMMs): cast per expert.
+            h = silu_and_mul(xs[start : start + n] @ w13[e].t().to(xs.dtype))
+            out[start : start + n] = h @ w2[e].t().to(xs.dtype)
         start += n
     scaled = out * weights.flatten()[order, None].to(out.dtype)
     return torch.zeros_like(x).index_add_(0, token_of, scaled)
