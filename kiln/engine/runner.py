@@ -64,6 +64,8 @@ class ModelRunner:
         generator = torch.Generator(device=self.device).manual_seed(config.model.seed)
         self.sampler = Sampler(generator)
         self.forward = model.forward
+        if config.compile.mode == "cudagraph":
+            raise NotImplementedError("compile mode 'cudagraph' is not built yet; use 'eager' or 'compiled'")
         if config.compile.mode == "compiled":
             self.forward = torch.compile(model.forward, fullgraph=True, dynamic=True)
 

@@ -89,3 +89,8 @@ def test_missing_model_folder(tmp_path: Path) -> None:
         LLM(str(tmp_path / "does-not-exist"))
     with pytest.raises(FileNotFoundError, match=r"no config\.json"):
         load_model(tmp_path)
+
+
+def test_unbuilt_compile_mode_says_so(llama: Path) -> None:
+    with pytest.raises(NotImplementedError, match="cudagraph"):
+        LLM(str(llama), mode="cudagraph")
