@@ -34,13 +34,16 @@ class LLM:
         """Prompts: strings, token-id lists or {"prompt_token_ids": [...]} dicts; outputs keep their order."""
         batch = _as_batch(prompts)
         params = _params_for(batch, sampling_params)
-        # Validate everything first, so a bad prompt leaves nothing half-queued.
-        for p in params:
-            self.engine.check_params(p)
-        token_ids = [self.engine.tokenize(p) for p in batch]
         ids = [f"offline-{next(self._ids)}" for _ in batch]
-        for rid, prompt, toks, p in zip(ids, batch, token_ids, params, strict=True):
-            self.engine.add_request(rid, toks, p, prompt if isinstance(prompt, str) else None)
+        added: list[str] = []
+        try:
+            for rid, prompt, p in zip(ids, batch, params, strict=True):
+                self.engine.add_request(rid, prompt, p)
+                added.append(rid)
+        except Exception:
+            for rid in added:  # a bad prompt leaves nothing of this call queued
+                self.engine.abort(rid)
+            raise
         return self._run(ids, use_tqdm)
 
     def chat(

@@ -120,16 +120,12 @@ class LLMEngine:
         if bad:
             raise ValueError(f"logit_bias token ids must be in [0, {vocab}), got {bad[:4]}")
 
-    def add_request(
-        self, request_id: str, prompt: str | list[int], params: SamplingParams, prompt_text: str | None = None
-    ) -> None:
-        """prompt: text, or token ids (then prompt_text, if given, is what RequestOutput.prompt reports)."""
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> None:
+        """Validates, then queues; raises ValueError (and queues nothing) for a bad prompt or params."""
         if request_id in self.parents:
             raise ValueError(f"request id {request_id!r} is already in use")
         self.check_params(params)
         ids = self.tokenize(prompt)
-        if isinstance(prompt, str):
-            prompt_text = prompt
         children = []
         for i in range(params.n):
             p = (
@@ -144,7 +140,7 @@ class LLMEngine:
             )
             child_id = f"{request_id}-{i}" if params.n > 1 else request_id
             children.append(self._request(child_id, request_id, ids, p))
-        self.parents[request_id] = _Parent(request_id, prompt_text, children)
+        self.parents[request_id] = _Parent(request_id, prompt if isinstance(prompt, str) else None, children)
         for child in children:
             self.scheduler.add(child)
 
