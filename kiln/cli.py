@@ -3,6 +3,7 @@
 import argparse
 import logging
 import sys
+import time
 from pathlib import Path
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
@@ -40,6 +41,55 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+# vLLM's flag -> (config section, key). Flags left unset keep the config file's value.
+SERVE_FLAGS: dict[str, tuple[str, str, dict]] = {
+    "--model": ("model", "model", {"help": "model folder, or 'default' (SmolLM2-135M-Instruct)"}),
+    "--served-model-name": ("server", "served_model_name", {}),
+    "--host": ("server", "host", {}),
+    "--port": ("server", "port", {"type": int}),
+    "--api-key": ("server", "api_key", {"help": "require 'Authorization: Bearer KEY' on /v1/*"}),
+    "--max-model-len": ("model", "max_model_len", {"type": int}),
+    "--max-num-seqs": ("scheduler", "max_num_seqs", {"type": int}),
+    "--max-num-batched-tokens": ("scheduler", "max_num_batched_tokens", {"type": int}),
+    "--block-size": ("cache", "block_size", {"type": int}),
+    "--kv-cache-gib": ("cache", "kv_cache_gib", {"type": float}),
+    "--dtype": ("model", "dtype", {"choices": ["auto", "float32", "bfloat16", "float16"]}),
+    "--device": ("model", "device", {}),
+    "--seed": ("model", "seed", {"type": int}),
+    "--drain-timeout": ("server", "drain_timeout", {"type": float, "help": "seconds SIGTERM waits"}),
+    "--gpu-memory-utilization": ("cache", "gpu_memory_utilization", {"type": float}),
+    "--tensor-parallel-size": ("parallel", "tensor_parallel_size", {"type": int}),
+}
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from kiln.config import ConfigError, load_serve_config
+
+    parser: argparse.ArgumentParser = args.parser
+    overrides: dict[str, dict] = {}
+    for flag, (section, key, _) in SERVE_FLAGS.items():
+        value = getattr(args, flag[2:].replace("-", "_"))
+        if value is not None:
+            overrides.setdefault(section, {})[key] = value
+    if args.enforce_eager:
+        overrides.setdefault("compile", {})["mode"] = "eager"
+    try:
+        config = load_serve_config(args.config, overrides)
+        config.check_supported()
+    except ConfigError as e:
+        parser.error(str(e))
+    except ValueError as e:
+        parser.error(f"{e} (from the config file or a flag)")
+    from kiln.api.server import run
+    from kiln.engine.engine import resolve_model
+
+    try:
+        resolve_model(config.model.model)  # a missing model folder fails here, before the port opens
+    except (OSError, ValueError) as e:
+        parser.exit(1, f"{parser.prog}: error: {e}\n")
+    return run(config, args.started)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kiln", description="An LLM serving stack.")
     parser.add_argument("--log-level", default="INFO", type=str.upper, choices=LOG_LEVELS)
@@ -62,13 +112,22 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--seed", type=int, default=None)
     generate.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     generate.set_defaults(run=cmd_generate, parser=generate)
+
+    serve = commands.add_parser("serve", help="serve an OpenAI-compatible API (default: 127.0.0.1:8000)")
+    serve.add_argument("--config", type=Path, help="YAML config (see configs/); flags override it")
+    for flag, (_, _, kwargs) in SERVE_FLAGS.items():
+        serve.add_argument(flag, default=None, **kwargs)
+    serve.add_argument("--enforce-eager", action="store_true", help="run the model eagerly (no compile)")
+    serve.set_defaults(run=cmd_serve, parser=serve)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    started = time.perf_counter()
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
+        args.started = started
         logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         return args.run(args)
     except SystemExit as e:

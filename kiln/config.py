@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from pathlib import Path
+from typing import Annotated, Any, Literal
 
 import msgspec
+import yaml
+from msgspec import Meta
 
 
 class _Section(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -15,20 +18,26 @@ class ModelConfig(_Section):
     model: str = "default"  # a model folder, or "default" for the embedded SmolLM2-135M-Instruct
     tokenizer: str | None = None  # defaults to the model folder
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    max_model_len: int | None = None  # defaults to the model's max_position_embeddings
+    max_model_len: Annotated[int, Meta(ge=2)] | None = None  # defaults to the model's max_position_embeddings
     seed: int = 0
     device: str = "cpu"
 
 
 class CacheConfig(_Section):
-    block_size: int = 16
-    kv_cache_gib: float = 4.0
+    block_size: Annotated[int, Meta(ge=1)] = 16
+    kv_cache_gib: Annotated[float, Meta(gt=0)] = 1.0
     enable_prefix_caching: bool = True
+    # vLLM sizes the KV cache from free GPU memory; kiln has no CUDA memory profiler yet: setting it errors.
+    gpu_memory_utilization: Annotated[float, Meta(gt=0, le=1)] | None = None
 
 
 class SchedulerConfig(_Section):
-    max_num_seqs: int = 128
-    max_num_batched_tokens: int = 2048
+    max_num_seqs: Annotated[int, Meta(ge=1)] = 128
+    max_num_batched_tokens: Annotated[int, Meta(ge=1)] = 2048
+
+
+class ParallelConfig(_Section):
+    tensor_parallel_size: Annotated[int, Meta(ge=1)] = 1
 
 
 class CompileConfig(_Section):
@@ -40,6 +49,17 @@ class EngineConfig(_Section):
     cache: CacheConfig = msgspec.field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = msgspec.field(default_factory=SchedulerConfig)
     compile: CompileConfig = msgspec.field(default_factory=CompileConfig)
+    parallel: ParallelConfig = msgspec.field(default_factory=ParallelConfig)
+
+    def check_supported(self) -> None:
+        """Knobs kept for vLLM compatibility but not built yet fail loudly rather than being ignored."""
+        if self.parallel.tensor_parallel_size != 1:
+            raise ValueError("tensor_parallel_size > 1 is not supported yet: kiln runs on one device")
+        if self.cache.gpu_memory_utilization is not None:
+            raise ValueError(
+                "gpu_memory_utilization is not supported yet (kiln has no CUDA memory profiler); "
+                "size the KV cache with cache.kv_cache_gib"
+            )
 
     @classmethod
     def from_options(cls, model: str = "default", **options: Any) -> EngineConfig:
@@ -61,4 +81,62 @@ _SECTIONS: dict[str, type[_Section]] = {
     "cache": CacheConfig,
     "scheduler": SchedulerConfig,
     "compile": CompileConfig,
+    "parallel": ParallelConfig,
 }
+
+
+class ServerConfig(_Section):
+    host: str = "127.0.0.1"
+    port: Annotated[int, Meta(ge=0, le=65535)] = 8000
+    api_key: str | None = None  # when set, /v1/* needs "Authorization: Bearer <api_key>"
+    served_model_name: str | None = None  # defaults to the model's name
+    drain_timeout: Annotated[float, Meta(ge=0)] = 30.0  # seconds SIGTERM waits for requests in flight
+    max_request_bytes: Annotated[int, Meta(ge=1024)] = 16 * 2**20  # larger bodies get 413
+
+
+class ServeConfig(EngineConfig):
+    """What `kiln serve` runs: the engine sections plus the HTTP server."""
+
+    server: ServerConfig = msgspec.field(default_factory=ServerConfig)
+
+
+class ConfigError(ValueError):
+    pass
+
+
+def load_serve_config(path: Path | None, overrides: dict[str, dict[str, Any]]) -> ServeConfig:
+    """A YAML file (sections as in ServeConfig) with command-line overrides laid over it.
+    Errors name the file and the offending key."""
+    raw: dict[str, Any] = {}
+    if path is not None:
+        try:
+            raw = yaml.safe_load(path.read_text()) or {}
+        except OSError as e:
+            raise ConfigError(f"cannot read config file {path}: {e.strerror}") from None
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{path}: not valid YAML: {e}") from None
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{path}: expected a mapping of sections, got {type(raw).__name__}")
+        try:
+            msgspec.convert(raw, ServeConfig)
+        except msgspec.ValidationError as e:
+            raise ConfigError(f"{path}: {_readable(e)}") from None
+    merged = {k: dict(v) if isinstance(v, dict) else v for k, v in raw.items()}
+    for section, values in overrides.items():
+        merged.setdefault(section, {}).update(values)
+    try:
+        return msgspec.convert(merged, ServeConfig)
+    except msgspec.ValidationError as e:
+        raise ConfigError(f"command-line option: {_readable(e)}") from None
+
+
+def _readable(e: msgspec.ValidationError) -> str:
+    # msgspec says "Object contains unknown field `x` - at `$.model`"; name the key as section.key.
+    msg, _, where = str(e).partition(" - at ")
+    key = where.strip("`").removeprefix("$").lstrip(".")
+    unknown = msg.startswith("Object contains unknown field")
+    if unknown:
+        field = msg.split("`")[1]
+        key = f"{key}.{field}" if key else field
+        return f"unknown key {key!r}"
+    return f"key {key!r}: {msg}" if key else msg

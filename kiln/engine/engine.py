@@ -38,6 +38,19 @@ def resolve_model(model: str) -> Path:
     return path
 
 
+def _visible_text(req: Request) -> str:
+    """While running, text that may still turn out to begin a stop string is held back, so a stream
+    never shows what the final, trimmed text leaves out."""
+    if req.finished or not req.params.stop:
+        return req.text
+    hold = max(map(len, req.params.stop)) - 1
+    return req.text[: max(0, len(req.text) - hold)]
+
+
+def load_tokenizer(config: EngineConfig, model_path: Path) -> Any:
+    return AutoTokenizer.from_pretrained(config.model.tokenizer or model_path, local_files_only=True)
+
+
 @dataclass(slots=True)
 class _Parent:
     """A user request; with n > 1 it fans out into n sampled sequences that share the prompt."""
@@ -49,12 +62,16 @@ class _Parent:
 
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
+        config.check_supported()
         self.config = config
-        started = time.perf_counter()
+        clock = time.perf_counter()
         path = resolve_model(config.model.model)
         self.model = load_model(path, config.model.dtype, config.model.device)
-        self.timings = {"load_weights": time.perf_counter() - started}
-        self.tokenizer = AutoTokenizer.from_pretrained(config.model.tokenizer or path, local_files_only=True)
+        self.timings = {"weights": time.perf_counter() - clock}
+        clock = time.perf_counter()
+        self.tokenizer = load_tokenizer(config, path)
+        self.timings["tokenizer"] = time.perf_counter() - clock
+        clock = time.perf_counter()
         self.model_path = path
         dims = self.model.dims
         self.max_model_len = config.model.max_model_len or dims.max_positions
@@ -77,6 +94,7 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, config, num_blocks, self.max_model_len)
         self.eos_token_ids = self._eos_ids(path)
         self.parents: dict[str, _Parent] = {}
+        self.timings["kv_cache"] = time.perf_counter() - clock
         log.info(
             "engine ready: %s (%s), %d KV blocks of %d tokens, max_model_len %d",
             self.model.spec.name,
@@ -85,6 +103,19 @@ class LLMEngine:
             block_size,
             self.max_model_len,
         )
+
+    def warmup(self) -> None:
+        """Runs a batch of one, then of two, short requests, so that kernels compiled on first use
+        (decode attention, for each batch-size specialization) are built before the first user waits."""
+        clock = time.perf_counter()
+        params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+        for batch in (1, 2):
+            for i in range(batch):
+                self.add_request(f"warmup-{batch}-{i}", [i + 1, i + 2], params)
+            while self.has_unfinished():
+                self.step()
+        self.block_manager.prefix_queries = self.block_manager.prefix_hits = 0
+        self.timings["warmup"] = time.perf_counter() - clock
 
     def _eos_ids(self, path: Path) -> set[int]:
         ids = {self.tokenizer.eos_token_id} - {None}
@@ -97,6 +128,10 @@ class LLMEngine:
 
     def tokenize(self, prompt: str | list[int]) -> list[int]:
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        self.check_prompt(ids)
+        return ids
+
+    def check_prompt(self, ids: list[int]) -> None:
         if not ids:
             raise ValueError("prompt is empty")
         vocab = self.model.dims.vocab_size
@@ -107,7 +142,6 @@ class LLMEngine:
                 f"prompt has {len(ids)} tokens, which leaves no room to generate within "
                 f"max_model_len={self.max_model_len}"
             )
-        return ids
 
     def check_params(self, params: SamplingParams) -> None:
         """What SamplingParams can't check alone: limits that depend on the model."""
@@ -263,7 +297,7 @@ class LLMEngine:
         outputs = [
             CompletionOutput(
                 index=i,
-                text=c.text,
+                text=_visible_text(c),
                 token_ids=c.output_token_ids,
                 cumulative_logprob=c.cumulative_logprob if c.logprobs is not None else None,
                 logprobs=list(c.logprobs) if c.logprobs is not None else None,

@@ -1,0 +1,246 @@
+"""The HTTP app: routes, API-key check, body limits, readiness and draining around the AsyncEngine."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import secrets
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from importlib.metadata import version
+from typing import Any
+
+import msgspec
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from kiln.api.chat import create_chat_completion, render_chat
+from kiln.api.completions import create_completion
+from kiln.api.errors import APIError, as_api_error
+from kiln.api.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ModelCard,
+    ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
+)
+from kiln.config import ServeConfig
+from kiln.engine.async_engine import AsyncEngine
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MODEL_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"
+
+_encoder = msgspec.json.Encoder()
+
+Handler = Callable[[AsyncEngine, Request, Any], Awaitable[Any]]
+
+
+class App:
+    def __init__(self, config: ServeConfig, started: float | None = None) -> None:
+        self.config = config
+        model = config.model.model
+        self.model_name = config.server.served_model_name or (
+            DEFAULT_MODEL_NAME if model == "default" else model
+        )
+        self.started = time.perf_counter() if started is None else started
+        self.engine: AsyncEngine | None = None
+        self.draining = False
+        self.stopped = asyncio.Event()  # set when the server should close
+        self.exit_code = 0
+        post, get = ["POST"], ["GET"]
+        self.starlette = Starlette(
+            routes=[
+                Route("/v1/completions", self._api(create_completion, CompletionRequest), methods=post),
+                Route(
+                    "/v1/chat/completions",
+                    self._api(create_chat_completion, ChatCompletionRequest),
+                    methods=post,
+                ),
+                Route("/v1/models", self._api(self._models), methods=get),
+                Route("/tokenize", self._api(self._tokenize, TokenizeRequest), methods=post),
+                Route("/detokenize", self._api(self._detokenize, DetokenizeRequest), methods=post),
+                Route("/health", self._health, methods=get),
+                Route("/metrics", self._metrics, methods=get),
+                Route("/version", self._version, methods=get),
+            ],
+            exception_handlers={HTTPException: self._http_error},
+            lifespan=self._lifespan,
+        )
+
+    # -- lifecycle -----------------------------------------------------------------------------
+
+    @contextlib.asynccontextmanager
+    async def _lifespan(self, _: Starlette) -> AsyncIterator[None]:
+        # The engine loads in the background, so the port answers 503 (not "connection refused") meanwhile.
+        start = asyncio.create_task(self._start_engine())
+        yield
+        start.cancel()
+        if self.engine is not None:
+            await self.engine.shutdown()
+
+    async def _start_engine(self) -> None:
+        try:
+            self.engine = await AsyncEngine.start(self.config, self.model_name)
+        except Exception:
+            log.exception("the engine failed to start")
+            self.exit_code = 1
+            self.stopped.set()
+            return
+        self._log_ready()
+
+    def _log_ready(self) -> None:
+        assert self.engine is not None
+        s = self.config.server
+        url = f"http://{s.host}:{s.port}"
+        total = time.perf_counter() - self.started
+        parts = ", ".join(f"{k.replace('_', ' ')} {v:.2f} s" for k, v in self.engine.engine.timings.items())
+        log.info(
+            "kiln is ready at %s, serving %s, %.1f s after start (%s)", url, self.model_name, total, parts
+        )
+        auth = f" -H 'Authorization: Bearer {s.api_key}'" if s.api_key else ""
+        body = _encoder.encode(
+            {"model": self.model_name, "messages": [{"role": "user", "content": "Hello!"}]}
+        )
+        log.info(
+            "try: curl %s/v1/chat/completions -H 'Content-Type: application/json'%s -d '%s'",
+            url,
+            auth,
+            body.decode(),
+        )
+
+    def begin_drain(self) -> None:
+        """SIGTERM/SIGINT: refuse new requests, let those in flight finish, then stop. A second signal
+        stops at once."""
+        if self.draining:
+            log.warning("second signal: stopping now")
+            self.stopped.set()
+            return
+        self.draining = True
+        asyncio.get_running_loop().create_task(self._drain())
+
+    async def _drain(self) -> None:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.config.server.drain_timeout
+        if self.engine is not None and self.engine.num_in_flight:
+            log.info(
+                "draining %d requests in flight (timeout %.0f s)",
+                self.engine.num_in_flight,
+                deadline - loop.time(),
+            )
+        while self.engine is not None and self.engine.num_in_flight and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        if self.engine is not None and self.engine.num_in_flight:
+            log.warning("drain timed out; aborting %d requests", self.engine.num_in_flight)
+            await self.engine.shutdown()
+        self.stopped.set()
+
+    # -- request plumbing ---------------------------------------------------------------------
+
+    def _ready(self) -> AsyncEngine:
+        if self.draining:
+            raise APIError(503, "kiln is shutting down and accepts no new requests")
+        if self.engine is None:
+            raise APIError(503, "kiln is starting: the model is still loading")
+        if self.engine.dead is not None:
+            raise APIError(503, f"the engine has died: {self.engine.dead!r}")
+        return self.engine
+
+    def _authorize(self, request: Request) -> None:
+        key = self.config.server.api_key
+        if key is None:
+            return
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not secrets.compare_digest(token.encode(), key.encode()):
+            raise APIError(401, "missing or invalid API key: send 'Authorization: Bearer <key>'")
+
+    async def _body(self, request: Request, kind: type) -> Any:
+        limit = self.config.server.max_request_bytes
+        too_large = APIError(413, f"request body is larger than the limit of {limit} bytes")
+        length = request.headers.get("content-length", "")
+        if length.isdigit() and int(length) > limit:
+            raise too_large
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise too_large
+            chunks.append(chunk)
+        return msgspec.json.decode(b"".join(chunks), type=kind)
+
+    def _check_model(self, body: Any) -> None:
+        name = getattr(body, "model", None)
+        if name and name != self.model_name:
+            raise APIError(404, f"The model `{name}` does not exist.", "model")
+
+    def _api(self, handler: Handler, kind: type | None = None) -> Callable[[Request], Awaitable[Response]]:
+        async def endpoint(request: Request) -> Response:
+            try:
+                if request.url.path.startswith("/v1/"):
+                    self._authorize(request)
+                engine = self._ready()
+                body = await self._body(request, kind) if kind is not None else None
+                self._check_model(body)
+                result = await handler(engine, request, body)
+            except Exception as e:
+                return as_api_error(e).response()
+            if isinstance(result, Response):
+                return result
+            if result is None:  # the client went away; nobody reads this
+                return Response(status_code=499)
+            return Response(_encoder.encode(result), media_type="application/json")
+
+        return endpoint
+
+    async def _http_error(self, request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, HTTPException)
+        if exc.status_code == 404:
+            return APIError(404, f"no route for {request.method} {request.url.path}").response()
+        return APIError(exc.status_code, str(exc.detail)).response()
+
+    # -- small endpoints ------------------------------------------------------------------------
+
+    async def _models(self, engine: AsyncEngine, request: Request, body: None) -> ModelList:
+        root = str(engine.engine.model_path)
+        return ModelList([ModelCard(id=self.model_name, root=root, max_model_len=engine.max_model_len)])
+
+    async def _tokenize(
+        self, engine: AsyncEngine, request: Request, body: TokenizeRequest
+    ) -> TokenizeResponse:
+        if (body.prompt is None) == (body.messages is None):
+            raise APIError(400, "give exactly one of prompt and messages", "prompt")
+        if body.messages is not None:
+            ids = render_chat(engine.tokenizer, body.messages, body.add_generation_prompt)
+        else:
+            ids = engine.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+        return TokenizeResponse(len(ids), engine.max_model_len, ids)
+
+    async def _detokenize(
+        self, engine: AsyncEngine, request: Request, body: DetokenizeRequest
+    ) -> DetokenizeResponse:
+        vocab = engine.engine.model.dims.vocab_size
+        if any(not 0 <= t < vocab for t in body.tokens):
+            raise APIError(400, f"token ids must be in [0, {vocab})", "tokens")
+        return DetokenizeResponse(engine.tokenizer.decode(body.tokens))
+
+    async def _health(self, request: Request) -> Response:
+        try:
+            self._ready()
+        except APIError as e:
+            return e.response()
+        return Response(status_code=200)
+
+    async def _metrics(self, request: Request) -> Response:
+        if self.engine is None:
+            return APIError(503, "kiln is starting: the model is still loading").response()
+        return Response(self.engine.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    async def _version(self, request: Request) -> Response:
+        return Response(_encoder.encode({"version": version("kiln")}), media_type="application/json")

@@ -1,0 +1,69 @@
+"""OpenAI-style errors: `{"error": {"message", "type", "param", "code"}}` with vLLM's type names."""
+
+from __future__ import annotations
+
+import logging
+from http import HTTPStatus
+
+import msgspec
+from starlette.responses import Response
+
+from kiln.api.protocol import ErrorInfo, ErrorResponse
+from kiln.engine.async_engine import EngineDeadError
+from kiln.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
+
+ERROR_TYPES = {
+    400: "BadRequestError",
+    401: "AuthenticationError",
+    404: "NotFoundError",
+    405: "MethodNotAllowedError",
+    413: "RequestTooLargeError",
+    500: "InternalServerError",
+    503: "ServiceUnavailableError",
+}
+
+_encoder = msgspec.json.Encoder()
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+
+    def body(self) -> ErrorResponse:
+        kind = ERROR_TYPES.get(self.status) or HTTPStatus(self.status).phrase.replace(" ", "") + "Error"
+        return ErrorResponse(ErrorInfo(self.message, kind, self.param, self.status))
+
+    def response(self) -> Response:
+        headers = {"WWW-Authenticate": "Bearer"} if self.status == 401 else None
+        return Response(_encoder.encode(self.body()), self.status, headers, "application/json")
+
+
+def bad_request(error: ValueError) -> APIError:
+    """msgspec ends its message with the path of the bad field; kiln's own ValueErrors begin with it."""
+    message = str(error)
+    if isinstance(error, msgspec.DecodeError) and not isinstance(error, msgspec.ValidationError):
+        return APIError(400, f"the request body is not valid JSON: {message}")
+    if isinstance(error, msgspec.ValidationError):
+        _, _, where = message.partition(" - at `$.")
+        param = where.rstrip("`").split("[")[0].split(".")[0] or None
+    else:
+        first = message.split(" ", 1)[0]
+        param = first if first in SamplingParams.__struct_fields__ else None
+    return APIError(400, message, param)
+
+
+def as_api_error(error: BaseException) -> APIError:
+    """Any exception as the error a client sees. Only an unexpected one is logged with its traceback."""
+    if isinstance(error, APIError):
+        return error
+    if isinstance(error, EngineDeadError):
+        return APIError(503, str(error))
+    if isinstance(error, ValueError):
+        return bad_request(error)
+    log.error("internal error", exc_info=error)
+    return APIError(500, f"internal server error: {type(error).__name__}: {error}")

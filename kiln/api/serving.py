@@ -1,0 +1,157 @@
+"""What completions and chat share: sampling params from a request, running several engine streams as
+one, waiting for a non-streamed result while watching for the client to leave, and SSE framing."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+import msgspec
+from starlette.requests import Request
+from starlette.responses import StreamingResponse
+
+from kiln.api.errors import APIError, as_api_error
+from kiln.api.protocol import Usage, _SamplingRequest
+from kiln.engine.async_engine import AsyncEngine, RequestStream
+from kiln.engine.outputs import RequestOutput
+from kiln.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
+
+_encoder = msgspec.json.Encoder()
+
+
+def sampling_params(
+    body: _SamplingRequest,
+    prompt_len: int,
+    max_model_len: int,
+    max_tokens: int | None,
+    logprobs: int | None,
+    prompt_logprobs: int | None = None,
+) -> SamplingParams:
+    """OpenAI fields (None means the OpenAI default) to SamplingParams; a prompt plus max_tokens that
+    would not fit in the model's context is a 400, as in vLLM."""
+    room = max_model_len - prompt_len
+    if max_tokens is not None and max_tokens > room:
+        raise APIError(
+            400,
+            f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+            f"{prompt_len + max_tokens} tokens ({prompt_len} in the prompt, {max_tokens} for the "
+            "completion). Please reduce the length of the prompt or completion.",
+            "max_tokens",
+        )
+    bias = None
+    if body.logit_bias:
+        try:
+            bias = {int(k): v for k, v in body.logit_bias.items()}
+        except ValueError:
+            raise APIError(400, "logit_bias keys must be token ids", "logit_bias") from None
+    stop = [body.stop] if isinstance(body.stop, str) else body.stop or []
+    optional = {
+        "temperature": body.temperature,
+        "top_p": body.top_p,
+        "top_k": body.top_k,
+        "min_p": body.min_p,
+        "repetition_penalty": body.repetition_penalty,
+    }
+    return SamplingParams(
+        n=body.n,
+        presence_penalty=body.presence_penalty,
+        frequency_penalty=body.frequency_penalty,
+        logit_bias=bias,
+        seed=body.seed,
+        max_tokens=max_tokens if max_tokens is not None else max(room, 1),
+        min_tokens=body.min_tokens,
+        stop=stop,
+        stop_token_ids=body.stop_token_ids or [],
+        ignore_eos=body.ignore_eos,
+        include_stop_str_in_output=body.include_stop_str_in_output,
+        skip_special_tokens=body.skip_special_tokens,
+        logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs,
+        **{k: v for k, v in optional.items() if v is not None},
+    )
+
+
+def start_all(
+    engine: AsyncEngine, request_id: str, prompts: list[list[int]], params: list[SamplingParams]
+) -> list[RequestStream]:
+    """One engine request per prompt; if any is refused, none stays queued."""
+    streams: list[RequestStream] = []
+    try:
+        for i, (ids, p) in enumerate(zip(prompts, params, strict=True)):
+            streams.append(engine.generate(ids, p, f"{request_id}-{i}" if len(prompts) > 1 else request_id))
+    except BaseException:
+        for s in streams:
+            s.close()
+        raise
+    return streams
+
+
+async def merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """(prompt index, output) from every stream as they come. Leaving early aborts what is unfinished."""
+    pending = {asyncio.ensure_future(anext(s)): i for i, s in enumerate(streams)}
+    try:
+        while pending:
+            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                i = pending.pop(task)
+                out = task.result()
+                yield i, out
+                if not out.finished:
+                    pending[asyncio.ensure_future(anext(streams[i]))] = i
+    finally:
+        for task in pending:
+            task.cancel()
+        for s in streams:
+            s.close()
+
+
+async def final_outputs(request: Request, streams: list[RequestStream]) -> list[RequestOutput] | None:
+    """The finished output of each stream, or None if the client disconnected first (which aborts)."""
+    finals: list[Any] = [None] * len(streams)
+
+    async def run() -> None:
+        async for i, out in merged(streams):
+            finals[i] = out
+
+    work = asyncio.ensure_future(run())
+    gone = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not work.done():
+            work.cancel()  # the client left (or the server is stopping): abort through merged()
+            await asyncio.gather(work, return_exceptions=True)
+    if work.cancelled():
+        return None
+    work.result()
+    return finals
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def usage(outputs: list[RequestOutput]) -> Usage:
+    prompt = sum(len(o.prompt_token_ids) for o in outputs)
+    completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+    return Usage(prompt, completion, prompt + completion)
+
+
+def sse(events: AsyncIterator[msgspec.Struct]) -> StreamingResponse:
+    """Server-sent events ending in `data: [DONE]`; an error mid-stream becomes an error event first."""
+
+    async def body() -> AsyncIterator[bytes]:
+        try:
+            async for event in events:
+                yield b"data: " + _encoder.encode(event) + b"\n\n"
+        except Exception as e:
+            yield b"data: " + _encoder.encode(as_api_error(e).body()) + b"\n\n"
+        yield b"data: [DONE]\n\n"
+
+    return StreamingResponse(body(), media_type="text/event-stream")

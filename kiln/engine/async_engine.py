@@ -1,0 +1,201 @@
+"""AsyncEngine: LLMEngine behind asyncio. The engine steps in a thread of its own, so the event loop that
+serves HTTP never waits on a model step; the two talk through a command queue one way and
+`call_soon_threadsafe` the other."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from kiln.config import EngineConfig
+from kiln.engine.engine import LLMEngine, load_tokenizer
+from kiln.engine.metrics import Metrics
+from kiln.engine.outputs import RequestOutput
+from kiln.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    pass
+
+
+@dataclass(slots=True)
+class _Add:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+
+
+@dataclass(slots=True)
+class _Abort:
+    request_id: str
+
+
+_STOP = object()
+
+
+@dataclass(slots=True, eq=False)
+class RequestStream:
+    """The outputs of one request, as an async iterator. Outputs are cumulative, so a reader that falls
+    behind skips straight to the newest. `close()` aborts the request if it has not finished."""
+
+    request_id: str
+    engine: AsyncEngine
+    queue: asyncio.Queue[RequestOutput | BaseException] = field(default_factory=asyncio.Queue)
+    arrival: float = field(default_factory=time.monotonic)
+    first_token_at: float | None = None
+    last_token_at: float = 0.0
+    num_tokens: int = 0
+    finished: bool = False
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.finished:
+            raise StopAsyncIteration
+        item = await self.queue.get()
+        while not self.queue.empty() and not isinstance(item, BaseException):
+            item = self.queue.get_nowait()
+        if isinstance(item, BaseException):
+            self.finished = True
+            raise item
+        self.finished = item.finished
+        return item
+
+    def close(self) -> None:
+        if not self.finished:
+            self.finished = True
+            self.engine.abort(self.request_id)
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine, model_name: str) -> None:
+        self.engine = engine
+        self.model_name = model_name
+        # The event loop's own tokenizer: a fast tokenizer is not safe to share with the engine thread.
+        self.tokenizer = load_tokenizer(engine.config, engine.model_path)
+        self.max_model_len = engine.max_model_len
+        self.metrics = Metrics(model_name, engine.stats)
+        self.dead: BaseException | None = None
+        self._loop = asyncio.get_running_loop()
+        self._commands: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._streams: dict[str, RequestStream] = {}
+        self._thread = threading.Thread(target=self._run, name="kiln-engine", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    async def start(cls, config: EngineConfig, model_name: str) -> AsyncEngine:
+        def build() -> LLMEngine:
+            engine = LLMEngine(config)
+            engine.warmup()
+            return engine
+
+        return cls(await asyncio.to_thread(build), model_name)
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._streams)
+
+    def generate(self, prompt_ids: list[int], params: SamplingParams, request_id: str) -> RequestStream:
+        """Queues a request and returns its stream. A bad prompt or params raise ValueError here, before
+        anything is queued."""
+        if self.dead is not None:
+            raise EngineDeadError(f"the engine has died: {self.dead!r}")
+        if request_id in self._streams:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        self.engine.check_params(params)
+        self.engine.check_prompt(prompt_ids)
+        stream = RequestStream(request_id, self)
+        self._streams[request_id] = stream
+        self._commands.put(_Add(request_id, prompt_ids, params))
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        if self._streams.pop(request_id, None) is not None:
+            self.metrics.finished("abort")
+            self._commands.put(_Abort(request_id))
+
+    async def shutdown(self) -> None:
+        for request_id in list(self._streams):
+            self.abort(request_id)
+        self._commands.put(_STOP)
+        await asyncio.to_thread(self._thread.join)
+
+    # -- the engine thread ----------------------------------------------------------------------
+
+    def _run(self) -> None:
+        engine = self.engine
+        try:
+            while True:
+                for command in self._pending(block=not engine.has_unfinished()):
+                    if command is _STOP:
+                        return
+                    self._apply(command)
+                if engine.has_unfinished():
+                    outputs = engine.step()
+                    if outputs:
+                        self._loop.call_soon_threadsafe(self._dispatch, outputs, time.monotonic())
+        except BaseException as e:
+            log.exception("engine step failed; the engine is dead")
+            self._loop.call_soon_threadsafe(self._die, e)
+
+    def _pending(self, block: bool) -> list[Any]:
+        """Every queued command; when idle, first sleeps until one comes."""
+        commands = [self._commands.get()] if block else []
+        while True:
+            try:
+                commands.append(self._commands.get_nowait())
+            except queue.Empty:
+                return commands
+
+    def _apply(self, command: _Add | _Abort) -> None:
+        if isinstance(command, _Abort):
+            self.engine.abort(command.request_id)
+            return
+        try:
+            self.engine.add_request(command.request_id, command.prompt_ids, command.params)
+        except ValueError as e:  # checked already on the event loop, so this is a race at most
+            self._loop.call_soon_threadsafe(self._fail, command.request_id, e)
+
+    # -- back on the event loop ---------------------------------------------------------------
+
+    def _dispatch(self, outputs: list[RequestOutput], now: float) -> None:
+        m = self.metrics
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is None:  # aborted while the step ran
+                continue
+            num_tokens = sum(len(o.token_ids) for o in out.outputs)
+            if num_tokens > stream.num_tokens:
+                if stream.first_token_at is None:
+                    stream.first_token_at = now
+                    m.ttft.observe(now - stream.arrival)
+                    m.prompt_tokens.inc(len(out.prompt_token_ids))
+                else:
+                    m.itl.observe(now - stream.last_token_at)
+                m.generation_tokens.inc(num_tokens - stream.num_tokens)
+                stream.num_tokens, stream.last_token_at = num_tokens, now
+            if out.finished:
+                del self._streams[out.request_id]
+                m.e2e.observe(now - stream.arrival)
+                for o in out.outputs:
+                    m.finished(o.finish_reason or "abort")
+            stream.queue.put_nowait(out)
+
+    def _fail(self, request_id: str, error: BaseException) -> None:
+        stream = self._streams.pop(request_id, None)
+        if stream is not None:
+            stream.queue.put_nowait(error)
+
+    def _die(self, error: BaseException) -> None:
+        self.dead = error
+        for stream in self._streams.values():
+            stream.queue.put_nowait(EngineDeadError(f"the engine has died: {error!r}"))
+        self._streams.clear()

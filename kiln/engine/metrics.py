@@ -1,0 +1,74 @@
+"""Prometheus metrics with vLLM's names under a `kiln:` prefix, in a registry of their own."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1, 2.5, 5, 10, 20, 40, 80)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1, 2.5, 5, 10, 20, 40)
+E2E_BUCKETS = (0.3, 0.5, 0.8, 1, 1.5, 2, 2.5, 5, 10, 15, 20, 30, 40, 50, 60, 120, 240, 480, 960, 1920)
+
+
+class _EngineState(Collector):
+    """Read from the engine at scrape time, so gauges are never stale."""
+
+    def __init__(self, model_name: str, stats: Callable[[], dict[str, Any]]) -> None:
+        self.model_name = model_name
+        self.stats = stats
+
+    def collect(self) -> Iterator[Metric]:
+        s = self.stats()
+        for family, name, doc, key in (
+            (GaugeMetricFamily, "num_requests_running", "Requests in the running batch.", "running"),
+            (GaugeMetricFamily, "num_requests_waiting", "Requests waiting to be scheduled.", "waiting"),
+            (
+                GaugeMetricFamily,
+                "kv_cache_usage_perc",
+                "Fraction of KV-cache blocks in use.",
+                "kv_cache_usage",
+            ),
+            (CounterMetricFamily, "prefix_cache_queries", "Prompt tokens looked up.", "prefix_cache_queries"),
+            (CounterMetricFamily, "prefix_cache_hits", "Prompt tokens found cached.", "prefix_cache_hits"),
+            (CounterMetricFamily, "num_preemptions", "Requests preempted.", "preemptions"),
+        ):
+            metric = family(f"kiln:{name}", doc, labels=["model_name"])
+            metric.add_metric([self.model_name], s[key])
+            yield metric
+
+
+class Metrics:
+    def __init__(self, model_name: str, stats: Callable[[], dict[str, Any]]) -> None:
+        self.registry = CollectorRegistry()
+        self.registry.register(_EngineState(model_name, stats))
+        labels = ["model_name"]
+
+        def counter(name: str, doc: str, extra: tuple[str, ...] = ()) -> Counter:
+            return Counter(f"kiln:{name}", doc, [*labels, *extra], registry=self.registry)
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(f"kiln:{name}", doc, labels, buckets=buckets, registry=self.registry)
+
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens processed.").labels(model_name)
+        self.generation_tokens = counter("generation_tokens", "Tokens generated.").labels(model_name)
+        self._success = counter("request_success", "Finished requests by reason.", ("finished_reason",))
+        self.ttft = histogram("time_to_first_token_seconds", "Arrival to first token.", TTFT_BUCKETS).labels(
+            model_name
+        )
+        self.itl = histogram(
+            "inter_token_latency_seconds", "Time between output tokens.", ITL_BUCKETS
+        ).labels(model_name)
+        self.e2e = histogram("e2e_request_latency_seconds", "Arrival to finish.", E2E_BUCKETS).labels(
+            model_name
+        )
+        self.model_name = model_name
+
+    def finished(self, reason: str) -> None:
+        self._success.labels(self.model_name, reason).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,69 @@
+"""Starts `python -m kiln serve` as a real process on a free loopback port and waits until it is ready."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import yaml
+
+READY_TIMEOUT_S = 180
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Server:
+    proc: subprocess.Popen
+    url: str
+    log: Path
+    statuses_before_ready: list[int] = field(default_factory=list)
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        return self.proc.wait()
+
+
+def start_server(tmp: Path, config: dict, *flags: str) -> Server:
+    config_path = tmp / "serve.yaml"
+    config_path.write_text(yaml.safe_dump(config))
+    port = free_port()
+    log = tmp / "server.log"
+    cmd = [sys.executable, "-m", "kiln", "serve", "--config", str(config_path), "--port", str(port), *flags]
+    with log.open("wb") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=dict(os.environ))
+    server = Server(proc, f"http://127.0.0.1:{port}", log)
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"kiln serve exited with {proc.returncode}:\n{server.output()}")
+        try:
+            status = httpx.get(f"{server.url}/health", timeout=5).status_code
+        except httpx.TransportError:
+            time.sleep(0.1)
+            continue
+        if status == 200:
+            return server
+        server.statuses_before_ready.append(status)
+        time.sleep(0.1)
+    server.stop()
+    raise RuntimeError(f"kiln serve was not ready in {READY_TIMEOUT_S} s:\n{server.output()}")

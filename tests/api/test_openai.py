@@ -1,0 +1,257 @@
+"""The OpenAI SDK against a real `kiln serve` of the default model."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+
+import httpx
+import openai
+import pytest
+
+from tests.api.conftest import API_KEY
+from tests.api.server import Server
+
+pytestmark = pytest.mark.slow
+
+MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture(scope="module")
+def client(server: Server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0, timeout=120)
+
+
+def test_chat_answers(client: openai.OpenAI) -> None:
+    r = client.chat.completions.create(model=MODEL, messages=QUESTION, temperature=0, max_tokens=24)
+    assert r.object == "chat.completion" and r.model == MODEL
+    assert r.choices[0].message.role == "assistant"
+    assert "Paris" in r.choices[0].message.content
+    assert r.choices[0].finish_reason == "stop"
+    assert (
+        r.usage.completion_tokens > 0
+        and r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+    )
+
+
+def test_completion_answers(client: openai.OpenAI) -> None:
+    r = client.completions.create(model=MODEL, prompt="The capital of France is", temperature=0, max_tokens=4)
+    assert r.object == "text_completion"
+    assert r.choices[0].text.startswith(" Paris")
+    assert r.usage.prompt_tokens == 5 and r.usage.completion_tokens == 4
+
+
+def test_completion_prompt_shapes(client: openai.OpenAI, server: Server) -> None:
+    ids = httpx.post(f"{server.url}/tokenize", json={"prompt": "The capital of France is"}).json()["tokens"]
+    one = client.completions.create(model=MODEL, prompt=ids, temperature=0, max_tokens=4)
+    many = client.completions.create(
+        model=MODEL, prompt=["The capital of France is", "1, 2, 3,"], temperature=0, max_tokens=4, n=2
+    )
+    many_ids = client.completions.create(model=MODEL, prompt=[ids, ids], temperature=0, max_tokens=4)
+    assert one.choices[0].text.startswith(" Paris")
+    assert [c.index for c in many.choices] == [0, 1, 2, 3]
+    assert many.choices[0].text == many.choices[1].text == one.choices[0].text
+    assert many.choices[2].text.startswith(" 4")
+    assert [c.text for c in many_ids.choices] == [one.choices[0].text] * 2
+    count = httpx.post(f"{server.url}/tokenize", json={"prompt": "1, 2, 3,"}).json()["count"]
+    assert many.usage.prompt_tokens == 5 + count  # once per prompt, not per choice
+
+
+def test_echo_with_logprobs(client: openai.OpenAI) -> None:
+    r = client.completions.create(
+        model=MODEL, prompt="The capital of France is", temperature=0, max_tokens=2, echo=True, logprobs=1
+    )
+    lp = r.choices[0].logprobs
+    assert r.choices[0].text.startswith("The capital of France is Paris")
+    assert len(lp.tokens) == 5 + 2
+    assert lp.token_logprobs[0] is None and all(x <= 0 for x in lp.token_logprobs[1:])
+    assert "".join(lp.tokens) == r.choices[0].text
+
+
+@pytest.mark.parametrize("kind", ["chat", "completion"])
+def test_stream_matches_whole(client: openai.OpenAI, kind: str) -> None:
+    args = dict(model=MODEL, temperature=0, max_tokens=40)
+    if kind == "chat":
+        whole = client.chat.completions.create(messages=QUESTION, **args).choices[0].message.content
+        stream = client.chat.completions.create(
+            messages=QUESTION, stream=True, stream_options={"include_usage": True}, **args
+        )
+        chunks = list(stream)
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        assert chunks[0].choices[0].delta.role == "assistant"
+    else:
+        prompt = "Once upon a time, in a small village,"
+        whole = client.completions.create(prompt=prompt, **args).choices[0].text
+        stream = client.completions.create(
+            prompt=prompt, stream=True, stream_options={"include_usage": True}, **args
+        )
+        chunks = list(stream)
+        text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == whole and len(whole) > 10
+    finals = [c for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert len(finals) == 1
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens > 0
+    assert all(c.usage is None for c in chunks[:-1])
+
+
+def test_n_with_seed_is_reproducible(client: openai.OpenAI) -> None:
+    def sample() -> list[str]:
+        r = client.chat.completions.create(
+            model=MODEL, messages=QUESTION, n=4, seed=1234, temperature=1.0, max_tokens=16
+        )
+        assert [c.index for c in r.choices] == [0, 1, 2, 3]
+        return [c.message.content for c in r.choices]
+
+    first = sample()
+    assert sample() == first
+    assert len(set(first)) > 1  # the n samples differ from each other
+
+
+def test_stop_string_is_trimmed(client: openai.OpenAI) -> None:
+    prompt = "Count: one, two, three, four, five,"
+    whole = (
+        client.completions.create(model=MODEL, prompt=prompt, temperature=0, max_tokens=12).choices[0].text
+    )
+    stop = whole.strip().split()[2]  # a word in the middle of the greedy continuation
+    r = client.completions.create(model=MODEL, prompt=prompt, temperature=0, max_tokens=12, stop=[stop])
+    assert r.choices[0].text == whole[: whole.index(stop)]
+    assert r.choices[0].finish_reason == "stop" and r.choices[0].stop_reason == stop
+    # Streamed, the held-back text never shows the stop string either.
+    chunks = client.completions.create(
+        model=MODEL, prompt=prompt, temperature=0, max_tokens=12, stop=stop, stream=True
+    )
+    assert "".join(c.choices[0].text for c in chunks) == r.choices[0].text
+
+
+def test_max_tokens_gives_length(client: openai.OpenAI) -> None:
+    r = client.chat.completions.create(
+        model=MODEL, messages=QUESTION, max_completion_tokens=3, extra_body={"ignore_eos": True}
+    )
+    assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 3
+
+
+def test_logprobs_have_top_n(client: openai.OpenAI) -> None:
+    r = client.chat.completions.create(
+        model=MODEL, messages=QUESTION, max_tokens=5, logprobs=True, top_logprobs=3, temperature=0
+    )
+    content = r.choices[0].logprobs.content
+    assert len(content) == r.usage.completion_tokens
+    for entry in content:
+        assert len(entry.top_logprobs) == 3
+        assert entry.top_logprobs[0].logprob >= entry.top_logprobs[1].logprob >= entry.top_logprobs[2].logprob
+        assert entry.logprob == pytest.approx(entry.top_logprobs[0].logprob)  # greedy takes the top token
+    assert "".join(e.token for e in content) == r.choices[0].message.content
+    c = client.completions.create(model=MODEL, prompt="Hello", max_tokens=4, logprobs=2, temperature=0)
+    assert all(len(top) >= 2 for top in c.choices[0].logprobs.top_logprobs)
+
+
+def test_vllm_extra_body(client: openai.OpenAI) -> None:
+    r = client.completions.create(
+        model=MODEL,
+        prompt="The capital of France is",
+        max_tokens=6,
+        extra_body={
+            "top_k": 1,
+            "min_p": 0.1,
+            "repetition_penalty": 1.0,
+            "min_tokens": 6,
+            "ignore_eos": True,
+            "stop_token_ids": [2],
+            "skip_special_tokens": True,
+        },
+    )
+    assert r.usage.completion_tokens == 6 and r.choices[0].text.startswith(" Paris")
+
+
+def test_tokenize_round_trip(server: Server) -> None:
+    text = "Hello, world! Ünïcödé 🙂"
+    tok = httpx.post(f"{server.url}/tokenize", json={"model": MODEL, "prompt": text}).json()
+    assert tok["count"] == len(tok["tokens"]) and tok["max_model_len"] == 512
+    back = httpx.post(f"{server.url}/detokenize", json={"model": MODEL, "tokens": tok["tokens"]}).json()
+    assert back == {"prompt": text}
+    chat = httpx.post(f"{server.url}/tokenize", json={"messages": QUESTION}).json()
+    assert chat["count"] > tok["count"]
+
+
+def test_models_health_version(client: openai.OpenAI, server: Server) -> None:
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    assert httpx.get(f"{server.url}/health").status_code == 200
+    assert re.fullmatch(r"\d+\.\d+\.\d+.*", httpx.get(f"{server.url}/version").json()["version"])
+    assert 503 in server.statuses_before_ready  # the port answered "starting" while the model loaded
+
+
+METRICS = [
+    "kiln:num_requests_running",
+    "kiln:num_requests_waiting",
+    "kiln:kv_cache_usage_perc",
+    "kiln:prompt_tokens_total",
+    "kiln:generation_tokens_total",
+    "kiln:request_success_total",
+    "kiln:time_to_first_token_seconds_bucket",
+    "kiln:inter_token_latency_seconds_bucket",
+    "kiln:e2e_request_latency_seconds_bucket",
+    "kiln:prefix_cache_queries_total",
+    "kiln:prefix_cache_hits_total",
+]
+
+
+def metric(server: Server, name: str) -> float:
+    text = httpx.get(f"{server.url}/metrics").text
+    return sum(float(m) for m in re.findall(rf"^{re.escape(name)}{{[^}}]*}} (\S+)$", text, re.M))
+
+
+def test_metrics(client: openai.OpenAI, server: Server) -> None:
+    client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=4)
+    text = httpx.get(f"{server.url}/metrics").text
+    for name in METRICS:
+        assert re.search(rf"^{re.escape(name)}{{.*model_name=\"{re.escape(MODEL)}\".*}} ", text, re.M), name
+    assert metric(server, "kiln:generation_tokens_total") >= 4
+    assert metric(server, "kiln:prefix_cache_hits_total") > 0  # the chat template's system prompt repeats
+    assert metric(server, "kiln:e2e_request_latency_seconds_count") >= 1
+
+
+def test_concurrent_streams_with_early_close(server: Server) -> None:
+    async def run() -> list[tuple[int, str | None]]:
+        client = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0, timeout=300)
+
+        async def one(i: int) -> tuple[int, str | None]:
+            stream = await client.completions.create(
+                model=MODEL,
+                prompt=f"Story number {i}:",
+                max_tokens=32,
+                temperature=0.8,
+                seed=i,
+                stream=True,
+                stream_options={"include_usage": True},
+                extra_body={"ignore_eos": True},
+            )
+            chunks, reason = 0, None
+            async for chunk in stream:
+                chunks += 1
+                if chunk.usage is not None:
+                    return chunk.usage.completion_tokens, reason
+                reason = chunk.choices[0].finish_reason
+                if i % 4 == 0 and chunks == 3:  # 8 of 32 leave early
+                    await stream.close()
+                    return chunks, "closed"
+            return -1, "no usage chunk"
+
+        try:
+            return await asyncio.gather(*(one(i) for i in range(32)))
+        finally:
+            await client.close()
+
+    results = asyncio.run(run())
+    assert [r for i, r in enumerate(results) if i % 4 == 0] == [(3, "closed")] * 8
+    assert [r for i, r in enumerate(results) if i % 4] == [(32, "length")] * 24
+    for _ in range(50):  # aborts reach the engine between steps
+        if (
+            metric(server, "kiln:kv_cache_usage_perc") == 0
+            and metric(server, "kiln:num_requests_running") == 0
+        ):
+            break
+        asyncio.run(asyncio.sleep(0.1))
+    assert metric(server, "kiln:kv_cache_usage_perc") == 0
+    assert metric(server, "kiln:num_requests_running") == 0
+    assert httpx.get(f"{server.url}/health").status_code == 200
