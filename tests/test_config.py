@@ -1,0 +1,65 @@
+from pathlib import Path
+
+import pytest
+
+from kiln.cli import main
+from kiln.config import ConfigError, ServeConfig, load_serve_config
+
+CONFIGS = Path(__file__).parent.parent / "configs"
+
+
+def test_default_yaml_is_the_builtin_default() -> None:
+    assert load_serve_config(CONFIGS / "default.yaml", {}) == ServeConfig()
+
+
+@pytest.mark.parametrize("name", ["llama3-8b-h100.yaml", "mixtral.yaml"])
+def test_example_configs_parse(name: str) -> None:
+    config = load_serve_config(CONFIGS / name, {})
+    assert config.model.device == "cuda"
+    config.check_supported()
+
+
+def test_flags_override_the_file(tmp_path: Path) -> None:
+    path = tmp_path / "c.yaml"
+    path.write_text("scheduler:\n  max_num_seqs: 4\nserver:\n  port: 9000\n")
+    config = load_serve_config(path, {"scheduler": {"max_num_seqs": 8}, "compile": {"mode": "eager"}})
+    assert (config.scheduler.max_num_seqs, config.server.port, config.compile.mode) == (8, 9000, "eager")
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("scheduler:\n  max_num_seq: 8\n", "unknown key 'scheduler.max_num_seq'"),
+        ("sever:\n  port: 1\n", "unknown key 'sever'"),
+        ("cache:\n  block_size: big\n", "key 'cache.block_size': Expected `int`, got `str`"),
+        ("server:\n  port: 70000\n", "key 'server.port': Expected `int` <= 65535"),
+        ("model: [1]\n", "key 'model': Expected `object`, got `array`"),
+        ("- 1\n", "expected a mapping of sections, got list"),
+        ("model: {\n", "not valid YAML"),
+    ],
+)
+def test_bad_file_names_key_and_file(tmp_path: Path, text: str, message: str) -> None:
+    path = tmp_path / "bad.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as e:
+        load_serve_config(path, {})
+    assert str(e.value).startswith(f"{path}: ") and message in str(e.value)
+
+
+def test_missing_file() -> None:
+    with pytest.raises(ConfigError, match="cannot read config file nope.yaml"):
+        load_serve_config(Path("nope.yaml"), {})
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--tensor-parallel-size", "2"], "tensor_parallel_size > 1 is not supported yet"),
+        (["--gpu-memory-utilization", "0.9"], "gpu_memory_utilization is not supported yet"),
+        (["--max-num-seqs", "0"], "key 'scheduler.max_num_seqs': Expected `int` >= 1"),
+        (["--model", "/no/such/folder"], "model folder '/no/such/folder' does not exist"),
+    ],
+)
+def test_serve_refuses_before_binding(flags: list[str], message: str, capsys: pytest.CaptureFixture) -> None:
+    assert main(["serve", *flags]) != 0
+    assert message in capsys.readouterr().err
