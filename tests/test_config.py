@@ -47,7 +47,7 @@ def test_bad_file_names_key_and_file(tmp_path: Path, text: str, message: str) ->
 
 
 def test_missing_file() -> None:
-    with pytest.raises(ConfigError, match="cannot read config file nope.yaml"):
+    with pytest.raises(ConfigError, match=r"cannot read config file nope\.yaml"):
         load_serve_config(Path("nope.yaml"), {})
 
 

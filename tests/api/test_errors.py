@@ -69,9 +69,13 @@ def test_bad_json(server: Server) -> None:
 
 
 def test_empty_messages_and_prompts(server: Server) -> None:
-    expect_error(post(server, "/v1/chat/completions", json={"messages": []}), 400, "BadRequestError", "messages")
+    expect_error(
+        post(server, "/v1/chat/completions", json={"messages": []}), 400, "BadRequestError", "messages"
+    )
     expect_error(post(server, "/v1/completions", json={"prompt": []}), 400, "BadRequestError", "prompt")
-    expect_error(post(server, "/v1/completions", json={"prompt": [[1], "a"]}), 400, "BadRequestError", "prompt")
+    expect_error(
+        post(server, "/v1/completions", json={"prompt": [[1], "a"]}), 400, "BadRequestError", "prompt"
+    )
     r = post(server, "/v1/chat/completions", json={"messages": MESSAGES, "top_logprobs": 2})
     expect_error(r, 400, "BadRequestError", "top_logprobs")
 
@@ -80,7 +84,9 @@ def test_too_long(server: Server) -> None:
     r = post(server, "/v1/completions", json={"prompt": [1] * 500, "max_tokens": 100})
     message = expect_error(r, 400, "BadRequestError", "max_tokens")
     assert f"maximum context length is {MAX_MODEL_LEN} tokens" in message
-    r = post(server, "/v1/chat/completions", json={"messages": MESSAGES, "max_completion_tokens": MAX_MODEL_LEN})
+    r = post(
+        server, "/v1/chat/completions", json={"messages": MESSAGES, "max_completion_tokens": MAX_MODEL_LEN}
+    )
     expect_error(r, 400, "BadRequestError", "max_tokens")
     long_chat = [{"role": "user", "content": "word " * MAX_MODEL_LEN}]  # no max_tokens: the prompt alone
     r = post(server, "/v1/chat/completions", json={"messages": long_chat})

@@ -45,4 +45,3 @@ def test_sigterm_drains_then_exits_zero(tmp_path: Path, default_model_dir: Path)
     finally:
         server.stop()
     assert "draining 1 requests in flight" in server.output()
-
