@@ -3,6 +3,7 @@
     python perf/serve_bench.py [--requests 32 --concurrency 16 --prompt-len 128 --output-len 128]
 
 1. offline: LLMEngine in this process runs the requests with max_num_seqs = concurrency;
+   offline and HTTP runs alternate (`--repeats` of each, after one unmeasured run) and medians compare;
 2. HTTP: `kiln serve` with the same engine config; `concurrency` clients stream the same requests
    (token-id prompts, ignore_eos) through /v1/completions; output tokens/s is compared with (1);
 3. /health: with `health_streams` streams running, /health is polled back to back; p50/p99/max.
@@ -40,18 +41,25 @@ def prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
     return [[rng.randrange(100, vocab) for _ in range(length)] for _ in range(n)]
 
 
-def offline(config: EngineConfig, batch: list[list[int]], output_len: int) -> dict[str, float]:
-    engine = LLMEngine(config)
-    engine.warmup()
-    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
-    start = time.perf_counter()
-    for i, ids in enumerate(batch):
-        engine.add_request(f"r{i}", ids, params)
-    tokens = 0
-    while engine.has_unfinished():
-        tokens += sum(len(o.outputs[0].token_ids) for o in engine.step() if o.finished)
-    wall = time.perf_counter() - start
-    return {"output_tokens": tokens, "seconds": wall, "tok_per_s": tokens / wall}
+class Offline:
+    """The engine in this process, driven directly: the baseline without HTTP."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.engine = LLMEngine(config)
+        self.engine.warmup()
+        self.runs = 0
+
+    def run(self, batch: list[list[int]], output_len: int) -> dict[str, float]:
+        params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+        start = time.perf_counter()
+        for i, ids in enumerate(batch):
+            self.engine.add_request(f"run{self.runs}-{i}", ids, params)
+        self.runs += 1
+        tokens = 0
+        while self.engine.has_unfinished():
+            tokens += sum(len(o.outputs[0].token_ids) for o in self.engine.step() if o.finished)
+        wall = time.perf_counter() - start
+        return {"output_tokens": tokens, "seconds": wall, "tok_per_s": tokens / wall}
 
 
 def start_server(args: argparse.Namespace, port: int, max_num_seqs: int) -> subprocess.Popen:
@@ -133,17 +141,19 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--requests", type=int, default=32)
+    parser.add_argument("--requests", type=int, default=16)
+    parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=128)
-    parser.add_argument("--health-streams", type=int, default=64)
+    parser.add_argument("--health-streams", type=int, default=64, help="0: skip the /health probe")
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--max-model-len", type=int, default=1024)
     parser.add_argument("--kv-cache-gib", type=float, default=1.0)
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)
 
     config = EngineConfig.from_options(
         dtype=args.dtype,
@@ -151,30 +161,43 @@ def main() -> None:
         kv_cache_gib=args.kv_cache_gib,
         max_num_seqs=args.concurrency,
     )
-    log.info("offline: %d requests, %d at a time", args.requests, args.concurrency)
     vocab = 49152
     batch = prompts(args.requests, args.prompt_len, vocab)
-    results: dict[str, Any] = {"offline": offline(config, batch, args.output_len)}
-    log.info("offline: %.1f output tok/s", results["offline"]["tok_per_s"])
-
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     url = f"http://127.0.0.1:{port}"
+    offline = Offline(config)
     server = start_server(args, port, args.concurrency)
+    results: dict[str, Any] = {"offline": [], "http": []}
     try:
-        results["http"] = asyncio.run(http_run(url, batch, args.output_len, args.concurrency))
-        log.info("http: %.1f output tok/s", results["http"]["tok_per_s"])
-        server.send_signal(signal.SIGTERM)
-        server.wait(60)
-        server = start_server(args, port, args.health_streams)  # admits every stream at once
-        load = prompts(args.health_streams, args.prompt_len, vocab, seed=1)
-        results["health"] = asyncio.run(health_under_load(url, load, args.output_len))
+        # Alternating runs, after one unmeasured run of each (shape specializations compile on first use),
+        # so that drift in the machine's speed hits both sides alike.
+        offline.run(batch, args.output_len)
+        asyncio.run(http_run(url, batch, args.output_len, args.concurrency))
+        for rep in range(args.repeats):
+            results["offline"].append(offline.run(batch, args.output_len))
+            results["http"].append(asyncio.run(http_run(url, batch, args.output_len, args.concurrency)))
+            log.info(
+                "run %d: offline %.1f, http %.1f output tok/s",
+                rep,
+                results["offline"][-1]["tok_per_s"],
+                results["http"][-1]["tok_per_s"],
+            )
+        del offline
+        if args.health_streams:
+            server.send_signal(signal.SIGTERM)
+            server.wait(60)
+            server = start_server(args, port, args.health_streams)  # admits every stream at once
+            load = prompts(args.health_streams, args.prompt_len, vocab, seed=1)
+            results["health"] = asyncio.run(health_under_load(url, load, args.output_len))
     finally:
         server.send_signal(signal.SIGTERM)
         server.wait(60)
 
-    results["ratio_http_to_offline"] = results["http"]["tok_per_s"] / results["offline"]["tok_per_s"]
+    median = {k: statistics.median(r["tok_per_s"] for r in results[k]) for k in ("offline", "http")}
+    results["median_tok_per_s"] = median
+    results["ratio_http_to_offline"] = median["http"] / median["offline"]
     results["machine"] = f"{platform.machine()}, {os.cpu_count()} CPUs, {platform.python_version()}"
     results["args"] = vars(args)
     print(json.dumps(results, indent=2))

@@ -92,6 +92,13 @@ def start_all(
 
 async def merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
     """(prompt index, output) from every stream as they come. Leaving early aborts what is unfinished."""
+    if len(streams) == 1:  # the common case needs no task per output
+        try:
+            async for out in streams[0]:
+                yield 0, out
+        finally:
+            streams[0].close()
+        return
     pending = {asyncio.ensure_future(anext(s)): i for i, s in enumerate(streams)}
     try:
         while pending:

@@ -76,28 +76,32 @@ class RequestStream:
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine, model_name: str) -> None:
-        self.engine = engine
+    """Build with `await AsyncEngine.start(config, model_name)` on the event loop that will use it."""
+
+    engine: LLMEngine
+    tokenizer: Any
+    max_model_len: int
+    metrics: Metrics
+
+    def __init__(self, config: EngineConfig, model_name: str) -> None:
         self.model_name = model_name
-        # The event loop's own tokenizer: a fast tokenizer is not safe to share with the engine thread.
-        self.tokenizer = load_tokenizer(engine.config, engine.model_path)
-        self.max_model_len = engine.max_model_len
-        self.metrics = Metrics(model_name, engine.stats)
         self.dead: BaseException | None = None
         self._loop = asyncio.get_running_loop()
+        self._built: asyncio.Future[LLMEngine] = self._loop.create_future()
         self._commands: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._streams: dict[str, RequestStream] = {}
-        self._thread = threading.Thread(target=self._run, name="kiln-engine", daemon=True)
+        self._thread = threading.Thread(target=self._run, args=(config,), name="kiln-engine", daemon=True)
         self._thread.start()
 
     @classmethod
     async def start(cls, config: EngineConfig, model_name: str) -> AsyncEngine:
-        def build() -> LLMEngine:
-            engine = LLMEngine(config)
-            engine.warmup()
-            return engine
-
-        return cls(await asyncio.to_thread(build), model_name)
+        self = cls(config, model_name)
+        self.engine = await self._built
+        # The event loop's own tokenizer: a fast tokenizer is not safe to share with the engine thread.
+        self.tokenizer = load_tokenizer(config, self.engine.model_path)
+        self.max_model_len = self.engine.max_model_len
+        self.metrics = Metrics(model_name, self.engine.stats)
+        return self
 
     @property
     def num_in_flight(self) -> int:
@@ -130,14 +134,22 @@ class AsyncEngine:
 
     # -- the engine thread ----------------------------------------------------------------------
 
-    def _run(self) -> None:
-        engine = self.engine
+    def _run(self, config: EngineConfig) -> None:
+        # Every torch call (loading, warmup, steps) stays on this one thread: a second thread's OpenMP
+        # pool makes libgomp throttle its spin-waits, which cost ~20% of decode speed on 2 cores.
+        try:
+            engine = LLMEngine(config)
+            engine.warmup()
+        except Exception as e:
+            self._loop.call_soon_threadsafe(self._resolve, None, e)
+            return
+        self._loop.call_soon_threadsafe(self._resolve, engine, None)
         try:
             while True:
                 for command in self._pending(block=not engine.has_unfinished()):
                     if command is _STOP:
                         return
-                    self._apply(command)
+                    self._apply(engine, command)
                 if engine.has_unfinished():
                     outputs = engine.step()
                     if outputs:
@@ -155,16 +167,24 @@ class AsyncEngine:
             except queue.Empty:
                 return commands
 
-    def _apply(self, command: _Add | _Abort) -> None:
+    def _apply(self, engine: LLMEngine, command: _Add | _Abort) -> None:
         if isinstance(command, _Abort):
-            self.engine.abort(command.request_id)
+            engine.abort(command.request_id)
             return
         try:
-            self.engine.add_request(command.request_id, command.prompt_ids, command.params)
+            engine.add_request(command.request_id, command.prompt_ids, command.params)
         except ValueError as e:  # checked already on the event loop, so this is a race at most
             self._loop.call_soon_threadsafe(self._fail, command.request_id, e)
 
     # -- back on the event loop ---------------------------------------------------------------
+
+    def _resolve(self, engine: LLMEngine | None, error: Exception | None) -> None:
+        if self._built.done():  # start() was cancelled: the server is stopping
+            return
+        if error is not None:
+            self._built.set_exception(error)
+        else:
+            self._built.set_result(engine)  # type: ignore[arg-type]
 
     def _dispatch(self, outputs: list[RequestOutput], now: float) -> None:
         m = self.metrics

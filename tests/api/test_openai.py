@@ -196,9 +196,14 @@ METRICS = [
 ]
 
 
-def metric(server: Server, name: str) -> float:
+def metric(server: Server, name: str, **labels: str) -> float:
+    """The sum of a metric's samples over the series that carry the given labels."""
     text = httpx.get(f"{server.url}/metrics").text
-    return sum(float(m) for m in re.findall(rf"^{re.escape(name)}{{[^}}]*}} (\S+)$", text, re.M))
+    total = 0.0
+    for series, value in re.findall(rf"^{re.escape(name)}{{([^}}]*)}} (\S+)$", text, re.M):
+        if all(f'{k}="{v}"' in series for k, v in labels.items()):
+            total += float(value)
+    return total
 
 
 def test_metrics(client: openai.OpenAI, server: Server) -> None:
@@ -255,3 +260,18 @@ def test_concurrent_streams_with_early_close(server: Server) -> None:
     assert metric(server, "kiln:kv_cache_usage_perc") == 0
     assert metric(server, "kiln:num_requests_running") == 0
     assert httpx.get(f"{server.url}/health").status_code == 200
+
+
+def test_disconnect_aborts_a_whole_request(server: Server) -> None:
+    aborted = metric(server, "kiln:request_success_total", finished_reason="abort")
+    body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 400, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):  # the client gives up long before 400 tokens
+        auth = {"Authorization": f"Bearer {API_KEY}"}
+        httpx.post(f"{server.url}/v1/completions", json=body, headers=auth, timeout=2)
+    for _ in range(50):
+        if metric(server, "kiln:num_requests_running") == 0:
+            break
+        asyncio.run(asyncio.sleep(0.1))
+    assert metric(server, "kiln:num_requests_running") == 0
+    assert metric(server, "kiln:kv_cache_usage_perc") == 0
+    assert metric(server, "kiln:request_success_total", finished_reason="abort") == aborted + 1
