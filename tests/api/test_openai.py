@@ -179,6 +179,10 @@ def test_models_health_version(client: openai.OpenAI, server: Server) -> None:
     assert httpx.get(f"{server.url}/health").status_code == 200
     assert re.fullmatch(r"\d+\.\d+\.\d+.*", httpx.get(f"{server.url}/version").json()["version"])
     assert 503 in server.statuses_before_ready  # the port answered "starting" while the model loaded
+    log = server.output()
+    assert f"kiln is ready at {server.url}, serving {MODEL}" in log
+    assert re.search(r"after start \(weights [\d.]+ s, tokenizer [\d.]+ s, kv cache [\d.]+ s, warmup", log)
+    assert f"try: curl {server.url}/v1/chat/completions" in log
 
 
 METRICS = [
