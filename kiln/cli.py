@@ -6,6 +6,8 @@ import sys
 import time
 from pathlib import Path
 
+from kiln.perf.cli import add_perf_parser
+
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
 
@@ -119,6 +121,8 @@ def build_parser() -> argparse.ArgumentParser:
         serve.add_argument(flag, default=None, **kwargs)
     serve.add_argument("--enforce-eager", action="store_true", help="run the model eagerly (no compile)")
     serve.set_defaults(run=cmd_serve, parser=serve)
+
+    add_perf_parser(commands)
     return parser
 
 

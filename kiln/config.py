@@ -120,17 +120,17 @@ def load_serve_config(path: Path | None, overrides: dict[str, dict[str, Any]]) -
         try:
             msgspec.convert(raw, ServeConfig)
         except msgspec.ValidationError as e:
-            raise ConfigError(f"{path}: {_readable(e)}") from None
+            raise ConfigError(f"{path}: {validation_message(e)}") from None
     merged = {k: dict(v) if isinstance(v, dict) else v for k, v in raw.items()}
     for section, values in overrides.items():
         merged.setdefault(section, {}).update(values)
     try:
         return msgspec.convert(merged, ServeConfig)
     except msgspec.ValidationError as e:
-        raise ConfigError(f"command-line option: {_readable(e)}") from None
+        raise ConfigError(f"command-line option: {validation_message(e)}") from None
 
 
-def _readable(e: msgspec.ValidationError) -> str:
+def validation_message(e: msgspec.ValidationError) -> str:
     # msgspec says "Object contains unknown field `x` - at `$.model`"; name the key as section.key.
     msg, _, where = str(e).partition(" - at ")
     key = where.strip("`").removeprefix("$").lstrip(".")

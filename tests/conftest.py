@@ -1,6 +1,9 @@
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
+from tests.api.server import Server, start_server
 
 
 @pytest.fixture(scope="session")
@@ -9,3 +12,23 @@ def default_model_dir() -> Path:
     from kiln.models.convert import default_model_dir
 
     return default_model_dir()
+
+
+API_KEY = "test-key"
+MAX_MODEL_LEN = 512
+MAX_REQUEST_BYTES = 65536
+
+# The default model with small limits, so that "too long" and "too large" are cheap to reach.
+SERVE_CONFIG = {
+    "model": {"model": "default", "max_model_len": MAX_MODEL_LEN},
+    "cache": {"kv_cache_gib": 0.25},
+    "scheduler": {"max_num_seqs": 64},
+    "server": {"api_key": API_KEY, "max_request_bytes": MAX_REQUEST_BYTES, "drain_timeout": 60},
+}
+
+
+@pytest.fixture(scope="session")
+def server(tmp_path_factory: pytest.TempPathFactory, default_model_dir: Path) -> Iterator[Server]:
+    srv = start_server(tmp_path_factory.mktemp("serve"), SERVE_CONFIG)
+    yield srv
+    assert srv.stop() == 0, srv.output()

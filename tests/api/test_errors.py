@@ -6,7 +6,7 @@ import httpx
 import openai
 import pytest
 
-from tests.api.conftest import API_KEY, MAX_MODEL_LEN, MAX_REQUEST_BYTES
+from tests.conftest import API_KEY, MAX_MODEL_LEN, MAX_REQUEST_BYTES
 from tests.api.server import Server
 
 pytestmark = pytest.mark.slow

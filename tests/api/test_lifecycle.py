@@ -9,7 +9,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.api.conftest import SERVE_CONFIG
+from tests.conftest import SERVE_CONFIG
 from tests.api.server import start_server
 
 pytestmark = pytest.mark.slow

@@ -9,7 +9,7 @@ import httpx
 import openai
 import pytest
 
-from tests.api.conftest import API_KEY
+from tests.conftest import API_KEY
 from tests.api.server import Server
 
 pytestmark = pytest.mark.slow

@@ -1,0 +1,117 @@
+"""The load generator: streams /v1/completions requests at a fixed concurrency or a Poisson rate."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import time
+from dataclasses import dataclass
+
+import httpx
+from tqdm import tqdm
+
+from kiln.perf.dataset import Prompt
+from kiln.perf.metrics import RequestRecord
+from kiln.perf.spec import Spec
+
+
+@dataclass(slots=True)
+class Endpoint:
+    base_url: str  # e.g. http://127.0.0.1:8000 (without /v1)
+    model: str
+    api_key: str | None = None
+
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+
+async def send(
+    client: httpx.AsyncClient, ep: Endpoint, prompt: Prompt, output_len: int, spec: Spec
+) -> RequestRecord:
+    body = {
+        "model": ep.model,
+        "prompt": prompt.prompt,
+        "max_tokens": output_len,
+        "temperature": spec.temperature,
+        "ignore_eos": spec.ignore_eos,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    record = RequestRecord(prompt_tokens=prompt.length or 0)
+    start = last = time.perf_counter()
+    try:
+        async with client.stream("POST", "/v1/completions", json=body, headers=ep.headers()) as r:
+            if r.status_code != 200:
+                await r.aread()
+                record.error = f"HTTP {r.status_code}: {r.text[:300]}"
+                return record
+            async for line in r.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                data = line[6:]
+                if data == "[DONE]":
+                    break
+                now = time.perf_counter()
+                chunk = json.loads(data)
+                if "error" in chunk:
+                    record.error = f"error event: {chunk['error'].get('message', chunk['error'])}"
+                    return record
+                if chunk.get("choices"):
+                    if record.ttft == 0.0:
+                        record.ttft = now - start
+                    else:
+                        record.itl.append(now - last)
+                    last = now
+                elif chunk.get("usage"):
+                    record.output_tokens = chunk["usage"]["completion_tokens"]
+                    record.prompt_tokens = prompt.length or chunk["usage"]["prompt_tokens"]
+        record.latency = time.perf_counter() - start
+        record.success = record.ttft > 0.0 and record.output_tokens > 0
+        if not record.success:
+            record.error = "the stream ended without output or usage"
+    except (httpx.HTTPError, json.JSONDecodeError, KeyError) as e:
+        record.error = f"{type(e).__name__}: {e}"
+    return record
+
+
+def arrival_gaps(rate: float, burstiness: float, n: int, rng: random.Random) -> list[float]:
+    """Gamma-distributed gaps with mean 1/rate; shape 1 (burstiness 1) is a Poisson process."""
+    return [rng.gammavariate(burstiness, 1.0 / (rate * burstiness)) for _ in range(n)]
+
+
+async def run_load(
+    ep: Endpoint,
+    prompts: list[Prompt],
+    output_len: int,
+    spec: Spec,
+    load: tuple[str, float],
+    rng: random.Random,
+    desc: str,
+) -> tuple[list[RequestRecord], float]:
+    """Sends every prompt under the given load; returns the records (in prompt order) and the wall time."""
+    kind, value = load
+    limit = int(value) if kind == "concurrency" else (spec.max_concurrency or len(prompts))
+    gaps = arrival_gaps(value, spec.burstiness, len(prompts), rng) if kind == "request_rate" else None
+    gate = asyncio.Semaphore(limit)
+    timeout = httpx.Timeout(None, connect=30)
+    async with httpx.AsyncClient(
+        base_url=ep.base_url, timeout=timeout, limits=httpx.Limits(max_connections=limit + 4)
+    ) as client:
+        with tqdm(total=len(prompts), desc=desc, unit="req", leave=False) as bar:
+
+            async def one(p: Prompt) -> RequestRecord:
+                async with gate:
+                    record = await send(client, ep, p, output_len, spec)
+                bar.update()
+                return record
+
+            start = time.perf_counter()
+            tasks = []
+            for i, p in enumerate(prompts):
+                if gaps is not None and i:
+                    await asyncio.sleep(gaps[i])
+                tasks.append(asyncio.create_task(one(p)))
+            records = await asyncio.gather(*tasks)
+            duration = time.perf_counter() - start
+    return list(records), duration

@@ -1,0 +1,34 @@
+"""Prompts for a sweep point: random token ids of an exact length, or text prompts from a JSONL file."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import msgspec
+
+from kiln.perf.spec import Spec
+
+BUILTIN = Path(__file__).parent / "data" / "prompts.jsonl"
+
+
+class Prompt(msgspec.Struct):
+    prompt: str | list[int]
+    length: int | None  # known for token ids; for text the server's usage tells
+
+
+def make_prompts(
+    spec: Spec, input_len: int, n: int, rng: random.Random, vocab_size: int | None = None
+) -> list[Prompt]:
+    if spec.dataset == "random":
+        lo, hi = spec.token_id_range
+        if vocab_size is not None and hi > vocab_size:  # a small model: draw from its whole vocabulary
+            lo, hi = min(lo, vocab_size // 2), vocab_size
+        return [Prompt([rng.randrange(lo, hi) for _ in range(input_len)], input_len) for _ in range(n)]
+    path = BUILTIN if spec.dataset == "builtin" else Path(spec.dataset)
+    with path.open() as f:
+        texts = [json.loads(line)["prompt"] for line in f if line.strip()]
+    if not texts:
+        raise ValueError(f"dataset {path} holds no prompts")
+    return [Prompt(rng.choice(texts), None) for _ in range(n)]

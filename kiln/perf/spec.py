@@ -1,0 +1,65 @@
+"""A sweep spec (configs/perf/*.yaml): what prompts, which loads, which SLOs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Literal
+
+import msgspec
+import yaml
+from msgspec import Meta
+
+from kiln.config import ConfigError, validation_message
+
+
+class SLO(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """A request counts toward goodput when it meets every bound given (milliseconds)."""
+
+    ttft_ms: float | None = None
+    tpot_ms: float | None = None
+    e2el_ms: float | None = None
+
+
+class Spec(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    name: str = "sweep"
+    # "random": token-id prompts of exactly input_len tokens; "builtin": the prompts shipped with kiln;
+    # anything else: a JSONL file of {"prompt": "..."} lines.
+    dataset: str = "random"
+    # (input, output) token lengths; a point per pair and load
+    lengths: list[tuple[Annotated[int, Meta(ge=1)], Annotated[int, Meta(ge=1)]]] = msgspec.field(
+        default_factory=lambda: [(128, 128)]
+    )
+    concurrency: list[Annotated[int, Meta(ge=1)]] | None = None
+    request_rate: list[Annotated[float, Meta(gt=0)]] | None = None  # requests/s; Poisson arrivals
+    burstiness: Annotated[float, Meta(gt=0)] = 1.0  # gamma shape of inter-arrival times; 1 is Poisson
+    max_concurrency: Annotated[int, Meta(ge=1)] | None = None  # cap in request-rate mode
+    num_prompts: Annotated[int, Meta(ge=1)] = 32  # per point; at least the concurrency
+    warmup_requests: Annotated[int, Meta(ge=0)] = 2
+    temperature: float = 0.0
+    ignore_eos: bool = True
+    seed: int = 0
+    token_id_range: tuple[int, int] = (100, 10000)  # random prompts draw ids from here
+    slo: SLO = msgspec.field(default_factory=SLO)
+    mode: Literal["completions"] = "completions"
+
+    def __post_init__(self) -> None:
+        if (self.concurrency is None) == (self.request_rate is None):
+            raise ValueError("give exactly one of concurrency and request_rate")
+
+    def loads(self) -> list[tuple[str, float]]:
+        """The sweep's load axis: ("concurrency", c) or ("request_rate", r) points."""
+        if self.concurrency is not None:
+            return [("concurrency", float(c)) for c in self.concurrency]
+        return [("request_rate", r) for r in self.request_rate or []]
+
+
+def load_spec(path: Path) -> Spec:
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+        return msgspec.convert(raw, Spec)
+    except OSError as e:
+        raise ConfigError(f"cannot read spec {path}: {e.strerror}") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML: {e}") from None
+    except msgspec.ValidationError as e:
+        raise ConfigError(f"{path}: {validation_message(e)}") from None

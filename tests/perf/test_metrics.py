@@ -1,0 +1,76 @@
+"""Metric definitions checked to the digit on synthetic timings, and the client's SSE parsing."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import pytest
+
+from kiln.perf.client import Endpoint, send
+from kiln.perf.dataset import Prompt
+from kiln.perf.metrics import RequestRecord, summarize
+from kiln.perf.spec import SLO, Spec
+
+# One token per chunk; several tokens per chunk; a failure mid-stream.
+STEADY = RequestRecord(prompt_tokens=10, output_tokens=5, ttft=0.1, itl=[0.05] * 4, latency=0.3, success=True)
+CHUNKY = RequestRecord(prompt_tokens=20, output_tokens=6, ttft=0.2, itl=[0.1, 0.1], latency=0.4, success=True)
+BROKEN = RequestRecord(prompt_tokens=30, ttft=0.05, itl=[0.01], error="error event: engine died")
+
+
+def test_summary_values() -> None:
+    s = summarize([STEADY, CHUNKY, BROKEN], duration_s=2.0, slo=SLO(ttft_ms=150, tpot_ms=60))
+    assert (s.completed, s.failed, s.errors) == (2, 1, ["error event: engine died"])
+    assert (s.total_input_tokens, s.total_output_tokens) == (30, 11)
+    assert s.request_throughput == pytest.approx(1.0)
+    assert s.output_throughput == pytest.approx(5.5)
+    assert s.total_token_throughput == pytest.approx(20.5)
+    assert s.goodput == pytest.approx(0.5)  # CHUNKY's TTFT of 200 ms misses the 150 ms SLO
+    assert (s.ttft_ms.mean, s.ttft_ms.median, s.ttft_ms.p90, s.ttft_ms.p99) == pytest.approx(
+        (150, 150, 190, 199)
+    )
+    # TPOT: (0.3 - 0.1) / 4 = 50 ms and (0.4 - 0.2) / 5 = 40 ms
+    assert (s.tpot_ms.mean, s.tpot_ms.median, s.tpot_ms.p90, s.tpot_ms.p99) == pytest.approx(
+        (45, 45, 49, 49.9)
+    )
+    # ITL: one entry per chunk, so CHUNKY's 2-token chunks give 100 ms gaps: [50]*4 + [100]*2
+    assert (s.itl_ms.mean, s.itl_ms.median, s.itl_ms.p90, s.itl_ms.p99) == pytest.approx(
+        (200 / 3, 50, 100, 100)
+    )
+    assert (s.e2el_ms.mean, s.e2el_ms.p99) == pytest.approx((350, 399))
+    assert s.tokens_per_user == pytest.approx(1000 / 45)
+
+
+def test_no_slo_means_no_goodput() -> None:
+    assert summarize([STEADY], 1.0, SLO()).goodput is None
+
+
+def _replay(events: list[bytes]) -> RequestRecord:
+    """The client against a canned SSE body: the server faults below can't be caused on demand."""
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, content=b"".join(b"data: " + e + b"\n\n" for e in events))
+
+    async def go() -> RequestRecord:
+        transport = httpx.MockTransport(handler)
+        async with httpx.AsyncClient(transport=transport, base_url="http://x") as client:
+            spec = Spec(concurrency=[1])
+            return await send(client, Endpoint("http://x", "m"), Prompt([1, 2, 3], 3), 4, spec)
+
+    return asyncio.run(go())
+
+
+def test_client_counts_chunks_and_usage() -> None:
+    chunk = b'{"choices": [{"index": 0, "text": "ab"}]}'
+    usage = b'{"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 4}}'
+    r = _replay([chunk, chunk, usage, b"[DONE]"])
+    assert r.success and r.error == ""
+    assert (r.prompt_tokens, r.output_tokens, len(r.itl)) == (3, 4, 1)
+    assert 0 < r.ttft <= r.latency
+
+
+def test_client_records_a_failure_mid_stream() -> None:
+    chunk = b'{"choices": [{"index": 0, "text": "ab"}]}'
+    error = b'{"error": {"message": "the engine has died", "type": "ServiceUnavailableError", "code": 503}}'
+    r = _replay([chunk, error, b"[DONE]"])
+    assert not r.success and r.error == "error event: the engine has died"
