@@ -6,8 +6,8 @@ import httpx
 import openai
 import pytest
 
-from tests.conftest import API_KEY, MAX_MODEL_LEN, MAX_REQUEST_BYTES
 from tests.api.server import Server
+from tests.conftest import API_KEY, MAX_MODEL_LEN, MAX_REQUEST_BYTES
 
 pytestmark = pytest.mark.slow
 

@@ -9,8 +9,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.conftest import SERVE_CONFIG
 from tests.api.server import start_server
+from tests.conftest import SERVE_CONFIG
 
 pytestmark = pytest.mark.slow
 

@@ -9,8 +9,8 @@ import httpx
 import openai
 import pytest
 
-from tests.conftest import API_KEY
 from tests.api.server import Server
+from tests.conftest import API_KEY
 
 pytestmark = pytest.mark.slow
 
