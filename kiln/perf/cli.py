@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 from pathlib import Path
 
@@ -10,6 +11,7 @@ DEFAULT_OUT = Path("perf/results")
 
 
 def cmd_run(args: argparse.Namespace) -> int:
+    _quiet_http_log()
     from kiln.config import ConfigError, load_serve_config
     from kiln.perf.run import write
     from kiln.perf.spec import load_spec
@@ -55,6 +57,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
 
 def cmd_serve_sweep(args: argparse.Namespace) -> int:
+    _quiet_http_log()
     from kiln.config import ConfigError
     from kiln.perf.spec import load_spec
     from kiln.perf.sweep import load_servers, serve_sweep
@@ -69,6 +72,11 @@ def cmd_serve_sweep(args: argparse.Namespace) -> int:
 
         plot(results, args.out)
     return 0 if all(p.summary.failed == 0 for r in results for p in r.points) else 1
+
+
+def _quiet_http_log() -> None:
+    # httpx logs every request at INFO, which would bury the sweep's own lines.
+    logging.getLogger("httpx").setLevel(logging.WARNING)
 
 
 def add_perf_parser(commands: argparse._SubParsersAction) -> None:
