@@ -134,8 +134,7 @@ def validation_message(e: msgspec.ValidationError) -> str:
     # msgspec says "Object contains unknown field `x` - at `$.model`"; name the key as section.key.
     msg, _, where = str(e).partition(" - at ")
     key = where.strip("`").removeprefix("$").lstrip(".")
-    unknown = msg.startswith("Object contains unknown field")
-    if unknown:
+    if msg.startswith("Object contains unknown field"):
         field = msg.split("`")[1]
         key = f"{key}.{field}" if key else field
         return f"unknown key {key!r}"

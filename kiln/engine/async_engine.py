@@ -49,7 +49,6 @@ class RequestStream:
     engine: AsyncEngine
     queue: asyncio.Queue[RequestOutput | BaseException] = field(default_factory=asyncio.Queue)
     arrival: float = field(default_factory=time.monotonic)
-    first_token_at: float | None = None
     last_token_at: float = 0.0
     num_tokens: int = 0
     finished: bool = False
@@ -194,8 +193,7 @@ class AsyncEngine:
                 continue
             num_tokens = sum(len(o.token_ids) for o in out.outputs)
             if num_tokens > stream.num_tokens:
-                if stream.first_token_at is None:
-                    stream.first_token_at = now
+                if stream.num_tokens == 0:
                     m.ttft.observe(now - stream.arrival)
                     m.prompt_tokens.inc(len(out.prompt_token_ids))
                 else:

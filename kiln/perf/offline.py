@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import random
 import time
+from collections import deque
 from dataclasses import dataclass
 
 from kiln.config import EngineConfig
@@ -42,11 +43,11 @@ def run_offline(config: EngineConfig, spec: Spec, label: str) -> Result:
         live: dict[str, _Live] = {}
         records: list[RequestRecord] = []
         start = time.perf_counter()
-        queue = list(zip(arrivals, prompts, strict=True))
+        queue = deque(zip(arrivals, prompts, strict=True))
         while queue or live:
             now = time.perf_counter()
             while queue and len(live) < limit and queue[0][0] <= now - start:
-                _, p = queue.pop(0)
+                _, p = queue.popleft()
                 rid = f"perf-{next(ids)}"
                 prompt_ids = engine.tokenize(p.prompt)
                 record = RequestRecord(prompt_tokens=len(prompt_ids))
