@@ -42,6 +42,11 @@ class ParallelConfig(_Section):
 
 class CompileConfig(_Section):
     mode: Literal["eager", "compiled", "cudagraph"] = "eager"
+    # Batch sizes decode steps are padded to (null: 1, 2, 4, 8, then steps of 8 up to max_num_seqs).
+    decode_sizes: list[Annotated[int, Meta(ge=1)]] | None = None
+    # Token counts mixed and prefill steps are padded to (null: powers of two up to max_num_batched_tokens).
+    token_sizes: list[Annotated[int, Meta(ge=2)]] | None = None
+    cache_file: str | None = None  # a `kiln warmup --export` file to install before warming up
 
 
 class EngineConfig(_Section):

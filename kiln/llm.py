@@ -20,6 +20,7 @@ Message = dict[str, Any]
 class LLM:
     def __init__(self, model: str = "default", **options: Any) -> None:
         self.engine = LLMEngine(EngineConfig.from_options(model, **options))
+        self.engine.warmup()
         self._ids = itertools.count()
 
     def get_tokenizer(self) -> Any:

@@ -12,6 +12,8 @@ import msgspec
 import torch
 from transformers import AutoTokenizer, GenerationConfig
 
+from kiln.compile.cache import CompileCache, key_parts
+from kiln.compile.lowering import BucketReport
 from kiln.config import EngineConfig
 from kiln.engine.block_manager import BlockManager
 from kiln.engine.detokenizer import IncrementalDetokenizer, find_stop
@@ -104,18 +106,28 @@ class LLMEngine:
             self.max_model_len,
         )
 
-    def warmup(self) -> None:
-        """Runs a batch of one, then of two, short requests, so that kernels compiled on first use
-        (decode attention, for each batch-size specialization) are built before the first user waits."""
+    def warmup(self, progress: bool = False) -> list[BucketReport]:
+        """Builds every graph before the first request, through the compile cache: a complete entry is
+        loaded first, so Inductor finds each graph instead of compiling it; a missing or corrupt one is
+        (re)built and saved. The per-key lock makes concurrent warmups of one key take turns."""
         clock = time.perf_counter()
-        params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
-        for batch in (1, 2):
-            for i in range(batch):
-                self.add_request(f"warmup-{batch}-{i}", [i + 1, i + 2], params)
-            while self.has_unfinished():
-                self.step()
-        self.block_manager.prefix_queries = self.block_manager.prefix_hits = 0
+        compile_config = self.config.compile
+        options = {
+            "mode": compile_config.mode,
+            "decode_sizes": self.runner.plan.decode_sizes,
+            "token_sizes": self.runner.plan.token_sizes,
+        }
+        cache = CompileCache(key_parts(self.model, self.runner.dtype, self.runner.device, options))
+        if compile_config.cache_file is not None:
+            cache.import_file(Path(compile_config.cache_file))
+        with cache.lock():
+            loaded = cache.load()
+            reports = self.runner.lowering.warmup(self.runner.warm_step, progress)
+            if not loaded and any(r.source != "shared" for r in reports):
+                cache.save([r.as_dict() for r in reports])
+        self.compile_cache = cache
         self.timings["warmup"] = time.perf_counter() - clock
+        return reports
 
     def _eos_ids(self, path: Path) -> set[int]:
         ids = {self.tokenizer.eos_token_id} - {None}

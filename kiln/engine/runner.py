@@ -8,6 +8,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from kiln.compile.buckets import Bucket, BucketPlan
+from kiln.compile.lowering import Lowering
 from kiln.config import EngineConfig
 from kiln.engine.request import Request
 from kiln.engine.sampler import Sampler, SamplerOutput, SamplingMetadata, compute_logprobs
@@ -58,16 +60,14 @@ class ModelRunner:
         self.input_ids = np.zeros(max_tokens, dtype=np.int64)
         self.positions = np.zeros(max_tokens, dtype=np.int64)
         self.slot_mapping = np.zeros(max_tokens, dtype=np.int64)
-        self.query_start_loc = np.zeros(max_seqs + 1, dtype=np.int32)
-        self.seq_lens = np.zeros(max_seqs, dtype=np.int32)
-        self.block_table = np.zeros((max_seqs, max_blocks), dtype=np.int32)
+        # One spare row: a mixed step of one request gets an empty second one (see _forward).
+        self.query_start_loc = np.zeros(max_seqs + 2, dtype=np.int32)
+        self.seq_lens = np.zeros(max_seqs + 1, dtype=np.int32)
+        self.block_table = np.zeros((max_seqs + 1, max(max_blocks, 2)), dtype=np.int32)
         generator = torch.Generator(device=self.device).manual_seed(config.model.seed)
         self.sampler = Sampler(generator)
-        self.forward = model.forward
-        if config.compile.mode == "cudagraph":
-            raise NotImplementedError("compile mode 'cudagraph' is not built yet; use 'eager' or 'compiled'")
-        if config.compile.mode == "compiled":
-            self.forward = torch.compile(model.forward, fullgraph=True, dynamic=True)
+        self.plan = BucketPlan.from_config(config)
+        self.lowering = Lowering(model, config, self.plan)
 
     def _tensor(self, array: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(array).to(self.device, non_blocking=True)
@@ -92,19 +92,7 @@ class ModelRunner:
         )
         self.query_start_loc[: num_reqs + 1] = cu
         self.seq_lens[:num_reqs] = starts + num_new
-
-        meta = AttnMetadata(
-            slot_mapping=self._tensor(self.slot_mapping[:num_tokens]),
-            query_start_loc=self._tensor(self.query_start_loc[: num_reqs + 1]),
-            seq_lens=self._tensor(self.seq_lens[:num_reqs]),
-            block_table=self._tensor(self.block_table[:num_reqs]),
-        )
-        hidden = self.forward(
-            self._tensor(self.input_ids[:num_tokens]),
-            self._tensor(self.positions[:num_tokens]),
-            self.kv_caches,
-            meta,
-        )
+        hidden = self._forward(num_tokens, num_reqs, bool((num_new == 1).all()))
 
         sampling = [i for i, r in enumerate(reqs) if starts[i] + num_new[i] == r.num_tokens]
         prompt_logprobs = self._prompt_logprobs(reqs, starts, num_new, cu, hidden)
@@ -122,6 +110,45 @@ class ModelRunner:
             self.device,
         )
         return StepResult(sampled, self.sampler(logits, meta_s), prompt_logprobs)
+
+    def _forward(self, num_tokens: int, num_reqs: int, decode_only: bool) -> torch.Tensor:
+        """Runs the model on the first num_tokens/num_reqs entries of the staging buffers.
+
+        Shapes are kept off dynamo's size-0/1 specializations, so three graphs serve every step: the block
+        table has at least two columns, and a mixed step has at least two requests (an empty one pads)."""
+        if not decode_only and num_reqs == 1:
+            self.query_start_loc[2] = num_tokens
+            self.seq_lens[1] = 0
+            num_reqs = 2
+        width = max(2, -(-int(self.seq_lens[:num_reqs].max()) // self.block_size))
+        meta = AttnMetadata(
+            slot_mapping=self._tensor(self.slot_mapping[:num_tokens]),
+            query_start_loc=self._tensor(self.query_start_loc[: num_reqs + 1]),
+            seq_lens=self._tensor(self.seq_lens[:num_reqs]),
+            block_table=self._tensor(self.block_table[:num_reqs, :width]),
+            decode_only=decode_only,
+        )
+        args = (self._tensor(self.input_ids[:num_tokens]), self._tensor(self.positions[:num_tokens]))
+        return self.lowering(num_tokens, decode_only, *args, self.kv_caches, meta)
+
+    @torch.inference_mode()
+    def warm_step(self, bucket: Bucket) -> None:
+        """A step of the bucket's shape that writes nothing to the KV cache: every slot is padding and
+        every context reads block 0. Decode buckets are one token per request; a mixed bucket is one
+        prefill chunk plus two decode rows, so it also builds the decode kernel mixed steps use."""
+        size = bucket.size
+        q_lens = [1] * size
+        if bucket.kind == "tokens":
+            q_lens = [size - 2, 1, 1] if size >= 4 else [size]
+        cu = np.concatenate([[0], np.cumsum(q_lens)])
+        n = len(q_lens)
+        self.input_ids[:size] = 0
+        self.positions[:size] = 0
+        self.slot_mapping[:size] = -1
+        self.query_start_loc[: n + 1] = cu
+        self.seq_lens[:n] = q_lens
+        self.block_table[:n] = 0
+        self._forward(size, n, bucket.kind == "decode")
 
     def _prompt_logprobs(
         self,

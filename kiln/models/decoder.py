@@ -8,7 +8,7 @@ from torch import nn
 
 from kiln.models.spec import ArchSpec, ModelDims
 from kiln.ops.activation import ACTIVATIONS, silu_and_mul
-from kiln.ops.attention import AttnMetadata, attention
+from kiln.ops.attention import AttnMetadata, attention, decode_attention
 from kiln.ops.linear import Linear, native_matmul_dtypes
 from kiln.ops.moe import moe_experts, route
 from kiln.ops.norm import layer_norm, rms_norm
@@ -64,6 +64,9 @@ class Attention(nn.Module):
             q, k = self.q_norm(q)[0], self.k_norm(k)[0]
         if cos_sin is not None:
             q, k = apply_rotary(positions, q, k, cos_sin)
+        if meta.decode_only:
+            o = decode_attention(q, k, v, kv_cache, meta, self.scale, self.sliding_window)
+            return self.o(o.flatten(1))
         o = attention(
             q,
             k,
@@ -127,7 +130,7 @@ class DecoderLayer(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
-        residual: torch.Tensor | None,
+        residual: torch.Tensor,
         positions: torch.Tensor,
         cos_sin: torch.Tensor | None,
         kv_cache: torch.Tensor,
@@ -176,7 +179,8 @@ class DecoderModel(nn.Module):
         x = self.embed(input_ids)
         if self.pos_embed is not None:
             x = x + self.pos_embed(positions)
-        residual = None
+        # A zero residual rather than None, so every layer runs the same code and shares one compiled graph.
+        residual = torch.zeros_like(x)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             x, residual = layer(x, residual, positions, self.cos_sin, kv_cache, meta)
         return self.norm(x, residual)[0]

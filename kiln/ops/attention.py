@@ -20,6 +20,8 @@ class AttnMetadata:
     query_start_loc: torch.Tensor  # [B+1] int32: request b's tokens are rows qsl[b]:qsl[b+1]
     seq_lens: torch.Tensor  # [B] int32: context length after this step (cached + new)
     block_table: torch.Tensor  # [B, max_blocks] int32
+    # Every request adds one token: attention runs in the model's graph (paged_decode), not as an opaque op.
+    decode_only: bool = False
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -30,6 +32,12 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapp
     blocks, offsets = slots // block_size, slots % block_size
     kv_cache[blocks, 0, offsets] = k[keep].to(kv_cache.dtype)
     kv_cache[blocks, 1, offsets] = v[keep].to(kv_cache.dtype)
+
+
+@torch.library.custom_op("kiln::write_kv", mutates_args=("kv_cache",))
+def write_kv_op(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """write_kv as one opaque op, so a compiled graph need not trace its data-dependent padding mask."""
+    write_kv(k, v, kv_cache, slot_mapping)
 
 
 def _gather_kv(kv_cache: torch.Tensor, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -64,8 +72,10 @@ def attention(
     q_lens = [b - a for a, b in itertools.pairwise(qsl)]
     decode = [i for i, n in enumerate(q_lens) if n == 1]
     if decode:
+        # At least two rows and two blocks: the compiled kernel then needs no size-1 specialization.
+        decode = decode * 2 if len(decode) == 1 else decode
         rows = torch.tensor([qsl[i] for i in decode])
-        n_blocks = -(-max(lens[i] for i in decode) // block_size)
+        n_blocks = max(2, -(-max(lens[i] for i in decode) // block_size))
         tables = block_table[decode, :n_blocks]
         out[rows] = _paged_decode()(q[rows], kv_cache, tables, seq_lens[decode], scale, sliding_window)
     for i, n in enumerate(q_lens):
@@ -82,6 +92,24 @@ def attention(
         qi = q[qsl[i] : qsl[i + 1]].transpose(0, 1)  # [H, n, D]
         out[qsl[i] : qsl[i + 1]] = _sdpa(qi, kc, vc, mask, scale).transpose(0, 1)
     return out
+
+
+def decode_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_cache: torch.Tensor,
+    meta: AttnMetadata,
+    scale: float,
+    sliding_window: int,
+) -> torch.Tensor:
+    """Attention for a decode-only step, one query row per sequence. The block table and sequence lengths
+    cover every row, padding included (the runner points padding at one valid slot), so no Python runs
+    per row and the whole thing traces into the model's compiled graph."""
+    write_kv_op(k, v, kv_cache, meta.slot_mapping)
+    if torch.compiler.is_compiling():
+        return paged_decode(q, kv_cache, meta.block_table, meta.seq_lens, scale, sliding_window)
+    return _paged_decode()(q, kv_cache, meta.block_table, meta.seq_lens, scale, sliding_window)
 
 
 def paged_decode(
@@ -116,13 +144,22 @@ def paged_decode(
 
 @functools.cache
 def _paged_decode() -> Callable[..., torch.Tensor]:
-    """paged_decode compiled once per process (Inductor's disk cache makes later processes quick);
-    eager where no C++ compiler is found. Not fullgraph: past dynamo's recompile limit (a process that
-    loads many differently shaped models, as the tests do) it runs eagerly instead of failing."""
+    """paged_decode compiled once per process, for eager steps and mixed steps' decode rows (Inductor's
+    disk cache makes later processes quick); eager where no C++ compiler is found. Only the batch and
+    block-count dims are dynamic: symbolic cache and head dims made tracing several times slower."""
     if shutil.which(os.environ.get("CXX", "g++")) is None and shutil.which("clang++") is None:
         log.warning("no C++ compiler found: paged decode attention runs eagerly (slower)")
         return paged_decode
-    return torch.compile(paged_decode, dynamic=True)
+    compiled = torch.compile(paged_decode, dynamic=False)
+
+    def run(q, kv_cache, block_table, seq_lens, scale, sliding_window):
+        torch._dynamo.maybe_mark_dynamic(q, 0)
+        torch._dynamo.maybe_mark_dynamic(seq_lens, 0)
+        torch._dynamo.maybe_mark_dynamic(block_table, 0)
+        torch._dynamo.maybe_mark_dynamic(block_table, 1)
+        return compiled(q, kv_cache, block_table, seq_lens, scale, sliding_window)
+
+    return run
 
 
 def _sdpa(
@@ -136,3 +173,8 @@ def _sdpa(
 @attention.register_fake
 def _(q, k, v, kv_cache, slot_mapping, query_start_loc, seq_lens, block_table, scale, sliding_window):
     return torch.empty_like(q)
+
+
+@write_kv_op.register_fake
+def _(k, v, kv_cache, slot_mapping):
+    return None

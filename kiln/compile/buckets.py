@@ -1,0 +1,59 @@
+"""The shapes kiln compiles for: decode batch sizes and token counts. A step is padded up to its bucket."""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+
+from kiln.config import EngineConfig
+
+
+@dataclass(frozen=True, slots=True)
+class Bucket:
+    kind: str  # "decode": every row is one sequence's next token; "tokens": any mix of prefill and decode
+    size: int
+
+    def __str__(self) -> str:
+        return f"{self.kind}-{self.size}"
+
+
+@dataclass(frozen=True, slots=True)
+class BucketPlan:
+    decode_sizes: tuple[int, ...]
+    token_sizes: tuple[int, ...]
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> BucketPlan:
+        max_seqs = config.scheduler.max_num_seqs
+        max_tokens = config.scheduler.max_num_batched_tokens
+        decode = config.compile.decode_sizes or default_decode_sizes(max_seqs)
+        tokens = config.compile.token_sizes or default_token_sizes(max_tokens)
+        return cls(tuple(sorted(set(decode))), tuple(sorted(set(tokens))))
+
+    def bucket(self, num_tokens: int, decode_only: bool) -> Bucket | None:
+        """The smallest bucket holding the step, or None when it is larger than every bucket."""
+        sizes = self.decode_sizes if decode_only else self.token_sizes
+        i = bisect.bisect_left(sizes, num_tokens)
+        if i == len(sizes):
+            return None
+        return Bucket("decode" if decode_only else "tokens", sizes[i])
+
+    def all(self) -> list[Bucket]:
+        """Largest first, the order CUDA graphs are captured in (smaller ones reuse the pool)."""
+        decode = [Bucket("decode", s) for s in reversed(self.decode_sizes)]
+        return decode + [Bucket("tokens", s) for s in reversed(self.token_sizes)]
+
+
+def default_decode_sizes(max_num_seqs: int) -> list[int]:
+    sizes = [s for s in (1, 2, 4, 8) if s < max_num_seqs] + list(range(8, max_num_seqs + 1, 8))[1:]
+    if not sizes or sizes[-1] != max_num_seqs:
+        sizes.append(max_num_seqs)
+    return sizes
+
+
+def default_token_sizes(max_num_batched_tokens: int) -> list[int]:
+    sizes = [16]
+    while sizes[-1] < max_num_batched_tokens:
+        sizes.append(sizes[-1] * 2)
+    sizes[-1] = max_num_batched_tokens
+    return sorted(set(sizes))

@@ -1,0 +1,197 @@
+"""The persistent compile cache: one entry per key under `<KILN_CACHE_DIR>/compile/<key>/`.
+
+An entry holds torch's portable cache artifacts (`torch.compiler.save_cache_artifacts`) and a manifest
+naming each file with its size and sha256. Inductor's and Triton's own caches live under the same root.
+Entries are written into a temporary folder and renamed into place while holding a per-key file lock,
+so a reader never sees half an entry and two processes warming one key take turns."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import fcntl
+import hashlib
+import json
+import logging
+import os
+import platform
+import shutil
+import tempfile
+import zipfile
+from collections.abc import Iterator
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import kiln
+from kiln.paths import cache_root
+
+log = logging.getLogger(__name__)
+
+ARTIFACTS = "artifacts.bin"
+MANIFEST = "manifest.json"
+# The sources whose code ends up in compiled graphs: a change to any of them is a different entry.
+_SOURCES = ("models", "ops", "compile")
+
+
+class CacheError(RuntimeError):
+    pass
+
+
+def point_torch_caches(root: Path) -> None:
+    """Inductor and Triton keep their caches under kiln's root (they read these variables on each use)."""
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(root / "inductor")
+    os.environ["TRITON_CACHE_DIR"] = str(root / "triton")
+
+
+def key_parts(model: torch.nn.Module, dtype: torch.dtype, device: torch.device, options: dict) -> dict:
+    """Everything that changes the compiled code: a change to any part is a different key."""
+    if device.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(device)
+        device_id = f"cuda:{torch.cuda.get_device_name(device)}:sm{major}{minor}"
+    else:
+        device_id = f"{device.type}:{torch.backends.cpu.get_cpu_capability()}:{platform.machine()}"
+    return {
+        "arch": model.spec.name,
+        "dims": dataclasses.asdict(model.dims),
+        "dtype": str(dtype),
+        "device": device_id,
+        "kiln": kiln.__version__,
+        "kiln_source": _source_hash(),
+        "torch": torch.__version__,
+        "triton": _version("triton"),
+        "python": platform.python_version(),
+        "options": options,
+    }
+
+
+def _version(package: str) -> str | None:
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def _source_hash() -> str:
+    root = Path(kiln.__file__).parent
+    h = hashlib.sha256()
+    for sub in _SOURCES:
+        for path in sorted((root / sub).glob("*.py")):
+            h.update(path.name.encode())
+            h.update(path.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+class CompileCache:
+    def __init__(self, parts: dict[str, Any], root: Path | None = None) -> None:
+        self.root = root or cache_root()
+        self.parts = parts
+        self.key = hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:24]
+        self.dir = self.root / "compile" / self.key
+        point_torch_caches(self.root)
+
+    @contextlib.contextmanager
+    def lock(self) -> Iterator[None]:
+        """Held while warming this key; a second process waits here, then finds the finished entry."""
+        path = self.root / "compile" / f"{self.key}.lock"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with path.open("a") as f:
+            fcntl.flock(f, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(f, fcntl.LOCK_UN)
+
+    def check(self) -> str | None:
+        """None for a complete entry; otherwise why it cannot be used."""
+        try:
+            manifest = json.loads((self.dir / MANIFEST).read_text())
+            files = manifest["files"]
+            if manifest.get("key") != self.key or ARTIFACTS not in files:
+                return "its manifest does not match its key"
+            for name, meta in files.items():
+                path = self.dir / name
+                if not path.is_file() or path.stat().st_size != meta["size"]:
+                    return f"{name} is missing or truncated"
+                if _sha256(path) != meta["sha256"]:
+                    return f"{name} does not match its checksum"
+        except FileNotFoundError:
+            return "missing"
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            return f"unreadable manifest ({e})"
+        return None
+
+    def load(self) -> bool:
+        """Hot-loads a complete entry into torch's caches. A partial or corrupt one is removed (with a
+        warning) so the caller rebuilds it. Call with the lock held."""
+        problem = self.check()
+        if problem == "missing":
+            return False
+        if problem is None:
+            try:
+                torch.compiler.load_cache_artifacts((self.dir / ARTIFACTS).read_bytes())
+                return True
+            except Exception as e:  # torch raises its own types for undecodable artifacts
+                problem = f"torch could not load its artifacts ({e})"
+        log.warning("compile cache entry %s is unusable: %s; rebuilding it", self.dir, problem)
+        shutil.rmtree(self.dir, ignore_errors=True)
+        return False
+
+    def save(self, report: list[dict[str, Any]]) -> None:
+        """Writes this process's compile artifacts as the entry, atomically. Call with the lock held."""
+        saved = torch.compiler.save_cache_artifacts()
+        if saved is None:
+            raise CacheError("torch recorded no compile artifacts to save")
+        self._install({ARTIFACTS: saved[0]}, report)
+
+    def _install(self, blobs: dict[str, bytes], report: list[dict[str, Any]]) -> None:
+        self.dir.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=f".{self.key}-", dir=self.dir.parent))
+        try:
+            files = {}
+            for name, data in blobs.items():
+                (staging / name).write_bytes(data)
+                files[name] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+            manifest = {"key": self.key, "parts": self.parts, "files": files, "buckets": report}
+            (staging / MANIFEST).write_text(json.dumps(manifest, indent=2))
+            shutil.rmtree(self.dir, ignore_errors=True)
+            os.rename(staging, self.dir)
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
+
+    def export(self, dest: Path) -> None:
+        """One portable file: the entry's manifest and artifacts, zipped."""
+        problem = self.check()
+        if problem is not None:
+            raise CacheError(f"no complete compile cache entry to export ({problem}); run kiln warmup first")
+        tmp = dest.with_name(dest.name + ".tmp")
+        with zipfile.ZipFile(tmp, "w") as z:
+            z.write(self.dir / MANIFEST, MANIFEST)
+            z.write(self.dir / ARTIFACTS, ARTIFACTS)
+        os.replace(tmp, dest)
+
+    def import_file(self, src: Path) -> None:
+        """Installs an exported file as this key's entry, after checking it was built for the same key."""
+        try:
+            with zipfile.ZipFile(src) as z:
+                manifest = json.loads(z.read(MANIFEST))
+                data = z.read(ARTIFACTS)
+        except FileNotFoundError:
+            raise CacheError(f"{src}: no such file") from None
+        except (zipfile.BadZipFile, KeyError, ValueError) as e:
+            raise CacheError(f"{src}: not a kiln compile cache export ({e})") from None
+        if manifest.get("key") != self.key:
+            theirs = manifest.get("parts", {})
+            diff = sorted(k for k in set(theirs) | set(self.parts) if theirs.get(k) != self.parts.get(k))
+            raise CacheError(f"{src} was built for a different setup (differs in: {', '.join(diff)})")
+        if hashlib.sha256(data).hexdigest() != manifest["files"][ARTIFACTS]["sha256"]:
+            raise CacheError(f"{src}: artifacts do not match their checksum")
+        with self.lock():
+            self._install({ARTIFACTS: data}, manifest.get("buckets", []))

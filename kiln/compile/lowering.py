@@ -1,0 +1,146 @@
+"""How the model's forward runs: eagerly, or lowered by torch.compile, and the per-bucket warmup that
+builds every graph before serving.
+
+CPU lowering: each decoder layer is compiled on its own (they share one code object, so dynamo traces
+one layer and every layer reuses its graph) with a dynamic token dimension. Dynamo specializes size 1,
+so there are three graph classes: a batch of one, a decode batch of any other size, and a mixed batch.
+Warmup runs one bucket of each class; every other bucket shares those graphs (BENCHMARKS.md has the
+static-per-bucket comparison that chose this)."""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch._dynamo.utils import counters
+from tqdm import tqdm
+
+from kiln.compile.buckets import Bucket, BucketPlan
+from kiln.config import EngineConfig
+from kiln.models.decoder import DecoderModel
+from kiln.ops.attention import AttnMetadata
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class BucketReport:
+    bucket: str
+    covers: str  # the step sizes that run this bucket's graph
+    seconds: float
+    source: str  # "compiled", "cache" (loaded from the compile cache) or "shared" (an earlier bucket's graph)
+
+    def as_dict(self) -> dict[str, str | float]:
+        return {"bucket": self.bucket, "covers": self.covers, "seconds": self.seconds, "source": self.source}
+
+
+def compile_counts() -> tuple[int, int]:
+    """Inductor's FX-graph cache (misses, hits) so far in this process: a miss is a graph compiled."""
+    inductor = counters["inductor"]
+    return inductor["fxgraph_cache_miss"], inductor["fxgraph_cache_hit"]
+
+
+class Lowering:
+    def __init__(self, model: DecoderModel, config: EngineConfig, plan: BucketPlan) -> None:
+        self.model = model
+        self.plan = plan
+        self.mode = "eager" if config.compile.mode == "eager" else config.compile.mode
+        if self.mode == "cudagraph":
+            raise ValueError(
+                "compile mode 'cudagraph' needs the CUDA backend, which is not built yet; "
+                "use 'compiled' or 'eager'"
+            )
+        if self.mode == "compiled":
+            # Dynamo's compile cache is per code object and process-wide: tests build many models.
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+            step = torch.compile(_layer_forward, dynamic=False, fullgraph=True)
+            for layer in model.layers:
+                layer.forward = functools.partial(_marked_layer, step, layer)
+        self.ready = False
+        self._warned_outside = False
+
+    def warm_buckets(self) -> list[tuple[Bucket, str]]:
+        """One bucket per graph class, with the step sizes that share its graph."""
+        d, t = self.plan.decode_sizes, self.plan.token_sizes
+        out = [(Bucket("decode", 1), "decode 1")] if d[0] == 1 else []
+        if d[-1] > 1:
+            first = next(s for s in d if s > 1)
+            out.append((Bucket("decode", first), f"decode 2..{d[-1]}"))
+        out.append((Bucket("tokens", t[0]), f"mixed 2..{t[-1]} tokens"))
+        return out
+
+    def in_plan(self, num_tokens: int, decode_only: bool) -> bool:
+        return self.plan.bucket(num_tokens, decode_only) is not None
+
+    def __call__(self, num_tokens: int, decode_only: bool, *args: object) -> torch.Tensor:
+        if not self.ready:
+            return self.model(*args)
+        if not self.in_plan(num_tokens, decode_only):
+            if not self._warned_outside:
+                log.warning(
+                    "a %s step of %d tokens is outside the compiled buckets: running it eagerly "
+                    "(logged once)",
+                    "decode" if decode_only else "mixed",
+                    num_tokens,
+                )
+                self._warned_outside = True
+            with torch.compiler.set_stance("force_eager"):
+                return self.model(*args)
+        # Once serving, a guard that would need a new graph runs eagerly instead of compiling.
+        with torch.compiler.set_stance("eager_on_recompile"):
+            return self.model(*args)
+
+    def warmup(self, run: Callable[[Bucket], None], progress: bool) -> list[BucketReport]:
+        """Runs one step per graph class, timing each and asking Inductor's counters whether it compiled,
+        loaded from the cache, or reused a graph built earlier in this process."""
+        reports = []
+        buckets = self.warm_buckets()
+        with _no_duck_shapes():
+            for bucket, covers in tqdm(buckets, desc="warmup", unit="bucket", disable=not progress):
+                misses, hits = compile_counts()
+                clock = time.perf_counter()
+                run(bucket)
+                seconds = time.perf_counter() - clock
+                new_misses, new_hits = compile_counts()
+                source = "compiled" if new_misses > misses else "cache" if new_hits > hits else "shared"
+                reports.append(BucketReport(str(bucket), covers, seconds, source))
+                log.info("bucket %s (%s): %s in %.2f s", bucket, covers, source, seconds)
+        self.ready = True
+        return reports
+
+
+def _layer_forward(layer: torch.nn.Module, *args: Any) -> Any:
+    return type(layer).forward(layer, *args)
+
+
+def _marked_layer(
+    step: Callable[..., Any],
+    layer: torch.nn.Module,
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin: torch.Tensor | None,
+    kv_cache: torch.Tensor,
+    meta: AttnMetadata,
+) -> Any:
+    """Marks only the step-dependent dims dynamic. Leaving every dim dynamic (dynamic=True) also made the
+    KV cache's and weights' dims symbolic, and tracing spent most of its time on them."""
+    for t in (x, residual, positions, meta.slot_mapping, meta.query_start_loc, meta.seq_lens):
+        torch._dynamo.maybe_mark_dynamic(t, 0)
+    torch._dynamo.maybe_mark_dynamic(meta.block_table, 0)
+    torch._dynamo.maybe_mark_dynamic(meta.block_table, 1)
+    return step(layer, x, residual, positions, cos_sin, kv_cache, meta)
+
+
+@contextmanager
+def _no_duck_shapes() -> Iterator[None]:
+    # By default two dims that happen to be equal while tracing share one symbol, and a later step where
+    # they differ would need a new graph. Every warmup shape is traced with independent symbols instead.
+    with torch.fx.experimental._config.patch(use_duck_shape=False):
+        yield
