@@ -1,12 +1,19 @@
 """The `kiln` command line."""
 
+from __future__ import annotations
+
 import argparse
+import json
 import logging
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from kiln.perf.cli import add_perf_parser
+
+if TYPE_CHECKING:
+    from kiln.config import ServeConfig
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
@@ -61,10 +68,13 @@ SERVE_FLAGS: dict[str, tuple[str, str, dict]] = {
     "--drain-timeout": ("server", "drain_timeout", {"type": float, "help": "seconds SIGTERM waits"}),
     "--gpu-memory-utilization": ("cache", "gpu_memory_utilization", {"type": float}),
     "--tensor-parallel-size": ("parallel", "tensor_parallel_size", {"type": int}),
+    "--compile-mode": ("compile", "mode", {"choices": ["eager", "compiled", "cudagraph"]}),
+    "--compile-cache": ("compile", "cache_file", {"metavar": "FILE", "help": "a kiln warmup --export file"}),
 }
 
 
-def cmd_serve(args: argparse.Namespace) -> int:
+def _load_config(args: argparse.Namespace) -> ServeConfig:
+    """--config with the SERVE_FLAGS given on the command line laid over it; usage errors name the key."""
     from kiln.config import ConfigError, load_serve_config
 
     parser: argparse.ArgumentParser = args.parser
@@ -82,6 +92,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
         parser.error(str(e))
     except ValueError as e:
         parser.error(f"{e} (from the config file or a flag)")
+    return config
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    parser: argparse.ArgumentParser = args.parser
+    config = _load_config(args)
     from kiln.api.server import run
     from kiln.engine.engine import resolve_model
 
@@ -90,6 +106,37 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except (OSError, ValueError) as e:
         parser.exit(1, f"{parser.prog}: error: {e}\n")
     return run(config, args.started)
+
+
+def cmd_warmup(args: argparse.Namespace) -> int:
+    parser: argparse.ArgumentParser = args.parser
+    config = _load_config(args)
+    if args.import_file is not None:
+        config.compile.cache_file = str(args.import_file)
+    from kiln.compile.cache import CacheError
+    from kiln.compile.lowering import compile_counters
+    from kiln.engine.engine import LLMEngine
+
+    try:
+        engine = LLMEngine(config)
+        reports = engine.warmup(progress=not args.no_progress)
+        if args.export is not None:
+            engine.compile_cache.export(args.export)
+    except (OSError, ValueError, CacheError) as e:
+        parser.exit(1, f"{parser.prog}: error: {e}\n")
+    rows = [(r.bucket, r.covers, r.source, f"{r.seconds:.2f}") for r in reports]
+    rows.append(("total", "", "", f"{sum(r.seconds for r in reports):.2f}"))
+    header = ("bucket", "covers", "source", "seconds")
+    widths = [max(len(row[i]) for row in [header, *rows]) for i in range(4)]
+    for row in [header, *rows]:
+        sys.stdout.write("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() + "\n")
+    sys.stdout.write(f"compile cache: {engine.compile_cache.dir}\n")
+    if args.export is not None:
+        sys.stdout.write(f"exported to {args.export}\n")
+    if args.json is not None:
+        report = {"buckets": [r.as_dict() for r in reports], "counters": compile_counters()}
+        args.json.write_text(json.dumps(report, indent=2))
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -121,6 +168,23 @@ def build_parser() -> argparse.ArgumentParser:
         serve.add_argument(flag, default=None, **kwargs)
     serve.add_argument("--enforce-eager", action="store_true", help="run the model eagerly (no compile)")
     serve.set_defaults(run=cmd_serve, parser=serve)
+
+    warmup = commands.add_parser(
+        "warmup", help="build every compiled bucket into the compile cache ahead of serving"
+    )
+    warmup.add_argument("--config", type=Path, help="YAML config, as for kiln serve")
+    for flag, (_, _, kwargs) in SERVE_FLAGS.items():
+        warmup.add_argument(flag, default=None, **kwargs)
+    warmup.add_argument("--enforce-eager", action="store_true", help="warm the eager mode's kernels only")
+    warmup.add_argument(
+        "--export", type=Path, metavar="FILE", help="also write the entry to one portable file"
+    )
+    warmup.add_argument(
+        "--import", dest="import_file", type=Path, metavar="FILE", help="install an exported file first"
+    )
+    warmup.add_argument("--json", type=Path, metavar="FILE", help="write the per-bucket table as JSON")
+    warmup.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    warmup.set_defaults(run=cmd_warmup, parser=warmup)
 
     add_perf_parser(commands)
     return parser

@@ -40,6 +40,17 @@ class BucketReport:
         return {"bucket": self.bucket, "covers": self.covers, "seconds": self.seconds, "source": self.source}
 
 
+def compile_counters() -> dict[str, int]:
+    """torch's own cache statistics for this process: Inductor's FX-graph cache and AOTAutograd's."""
+    inductor, aot = counters["inductor"], counters["aot_autograd"]
+    return {
+        "fxgraph_cache_miss": inductor["fxgraph_cache_miss"],
+        "fxgraph_cache_hit": inductor["fxgraph_cache_hit"],
+        "autograd_cache_miss": aot["autograd_cache_miss"],
+        "autograd_cache_hit": aot["autograd_cache_hit"],
+    }
+
+
 def compile_counts() -> tuple[int, int]:
     """Inductor's FX-graph cache (misses, hits) so far in this process: a miss is a graph compiled."""
     inductor = counters["inductor"]

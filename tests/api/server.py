@@ -43,14 +43,14 @@ class Server:
         return self.proc.wait()
 
 
-def start_server(tmp: Path, config: dict, *flags: str) -> Server:
+def start_server(tmp: Path, config: dict, *flags: str, env: dict[str, str] | None = None) -> Server:
     config_path = tmp / "serve.yaml"
     config_path.write_text(yaml.safe_dump(config))
     port = free_port()
     log = tmp / "server.log"
     cmd = [sys.executable, "-m", "kiln", "serve", "--config", str(config_path), "--port", str(port), *flags]
     with log.open("wb") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=dict(os.environ))
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
     server = Server(proc, f"http://127.0.0.1:{port}", log)
     deadline = time.monotonic() + READY_TIMEOUT_S
     while time.monotonic() < deadline:

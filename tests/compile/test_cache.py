@@ -1,0 +1,121 @@
+"""The compile cache across real processes: `kiln warmup` and `kiln serve` on a tiny model, each run with
+its own KILN_CACHE_DIR. Whether a graph was compiled or loaded is read from Inductor's own counters."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from openai import OpenAI
+
+from kiln import LLM, SamplingParams
+from tests.api.server import start_server
+from tests.models.tiny import build
+
+MODE = ["--compile-mode", "compiled"]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("tiny-llama")
+    build("llama", path)
+    return path
+
+
+def warmup(model: Path, cache: Path, out: Path, *flags: str) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "kiln", "warmup", "--model", str(model), *MODE, "--no-progress"]
+    env = {**os.environ, "KILN_CACHE_DIR": str(cache)}
+    return subprocess.Popen(
+        [*cmd, "--json", str(out), *flags],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+
+
+def finish(proc: subprocess.Popen) -> str:
+    output = proc.communicate(timeout=600)[0]
+    assert proc.returncode == 0, output
+    return output
+
+
+def entries(cache: Path) -> list[Path]:
+    return [p for p in (cache / "compile").iterdir() if p.is_dir() and not p.name.startswith(".")]
+
+
+def test_second_start_recompiles_nothing_and_an_export_loads_elsewhere(tiny: Path, tmp_path: Path) -> None:
+    cache, exported = tmp_path / "cache", tmp_path / "tiny.kiln-cache"
+    finish(warmup(tiny, cache, tmp_path / "first.json", "--export", str(exported)))
+    first = json.loads((tmp_path / "first.json").read_text())
+    assert first["counters"]["fxgraph_cache_miss"] >= 3
+    assert {b["source"] for b in first["buckets"]} == {"compiled"}
+
+    output = finish(warmup(tiny, cache, tmp_path / "second.json"))
+    second = json.loads((tmp_path / "second.json").read_text())
+    assert second["counters"]["fxgraph_cache_miss"] == 0
+    assert second["counters"]["fxgraph_cache_hit"] >= 3
+    assert [b["source"] for b in second["buckets"]] == ["cache"] * len(first["buckets"])
+    assert "decode-1" in output and "total" in output
+
+    # Another machine with the same versions: an empty cache root and the exported file.
+    finish(warmup(tiny, tmp_path / "elsewhere", tmp_path / "third.json", "--import", str(exported)))
+    third = json.loads((tmp_path / "third.json").read_text())
+    assert third["counters"]["fxgraph_cache_miss"] == 0
+    assert {b["source"] for b in third["buckets"]} == {"cache"}
+
+
+def test_import_of_a_foreign_file_names_it(tiny: Path, tmp_path: Path) -> None:
+    bad = tmp_path / "bad.zip"
+    bad.write_bytes(b"not a zip")
+    proc = warmup(tiny, tmp_path / "c", tmp_path / "c.json", "--import", str(bad))
+    output = proc.communicate(timeout=600)[0]
+    assert proc.returncode == 1
+    assert f"{bad}: not a kiln compile cache export" in output
+
+
+def test_two_concurrent_warmups_of_one_key(tiny: Path, tmp_path: Path) -> None:
+    cache = tmp_path / "cache"
+    procs = [warmup(tiny, cache, tmp_path / f"{i}.json") for i in range(2)]
+    for proc in procs:
+        finish(proc)
+    sources = sorted(
+        {b["source"] for b in json.loads((tmp_path / f"{i}.json").read_text())["buckets"]}.pop()
+        for i in range(2)
+    )
+    # The lock makes them take turns: one compiles, the other loads the finished entry.
+    assert sources == ["cache", "compiled"]
+    [entry] = entries(cache)
+    manifest = json.loads((entry / "manifest.json").read_text())
+    assert manifest["key"] == entry.name and "artifacts.bin" in manifest["files"]
+
+
+def test_corrupt_entry_is_rebuilt_and_the_server_answers(tiny: Path, tmp_path: Path) -> None:
+    cache = tmp_path / "cache"
+    finish(warmup(tiny, cache, tmp_path / "w.json"))
+    [entry] = entries(cache)
+    artifacts = entry / "artifacts.bin"
+    data = bytearray(artifacts.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    artifacts.write_bytes(bytes(data))
+
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    expected = LLM(str(tiny), mode="eager", kv_cache_gib=0.01).generate(["t1 t2 t3"], params, use_tqdm=False)
+
+    config = {"model": {"model": str(tiny)}, "cache": {"kv_cache_gib": 0.01}, "compile": {"mode": "compiled"}}
+    server = start_server(tmp_path, config, env={"KILN_CACHE_DIR": str(cache)})
+    try:
+        client = OpenAI(base_url=f"{server.url}/v1", api_key="none")
+        out = client.completions.create(model=str(tiny), prompt="t1 t2 t3", max_tokens=8, temperature=0)
+        assert out.choices[0].text == expected[0].outputs[0].text
+    finally:
+        server.stop()
+    log = server.output()
+    assert "artifacts.bin does not match its checksum; rebuilding it" in log
+    manifest = json.loads((entry / "manifest.json").read_text())
+    rebuilt = (entry / "artifacts.bin").read_bytes()
+    assert len(rebuilt) == manifest["files"]["artifacts.bin"]["size"]
