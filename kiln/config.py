@@ -41,7 +41,7 @@ class ParallelConfig(_Section):
 
 
 class CompileConfig(_Section):
-    mode: Literal["eager", "compiled", "cudagraph"] = "eager"
+    mode: Literal["eager", "compiled", "cudagraph"] = "compiled"
     # Batch sizes decode steps are padded to (null: 1, 2, 4, 8, then steps of 8 up to max_num_seqs).
     decode_sizes: list[Annotated[int, Meta(ge=1)]] | None = None
     # Token counts mixed and prefill steps are padded to (null: powers of two up to max_num_batched_tokens).

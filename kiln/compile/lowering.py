@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import logging
 import time
+import types
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -24,7 +25,7 @@ from tqdm import tqdm
 from kiln.compile.buckets import Bucket, BucketPlan
 from kiln.config import EngineConfig
 from kiln.models.decoder import DecoderModel
-from kiln.ops.attention import AttnMetadata
+from kiln.ops.attention import AttnMetadata, has_cxx
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +62,10 @@ class Lowering:
     def __init__(self, model: DecoderModel, config: EngineConfig, plan: BucketPlan) -> None:
         self.model = model
         self.plan = plan
-        self.mode = "eager" if config.compile.mode == "eager" else config.compile.mode
+        self.mode = config.compile.mode
+        if self.mode == "compiled" and self.device_type(model) == "cpu" and not has_cxx():
+            log.warning("no C++ compiler found: compile mode 'compiled' runs eagerly instead (slower)")
+            self.mode = "eager"
         if self.mode == "cudagraph":
             raise ValueError(
                 "compile mode 'cudagraph' needs the CUDA backend, which is not built yet; "
@@ -70,11 +74,19 @@ class Lowering:
         if self.mode == "compiled":
             # Dynamo's compile cache is per code object and process-wide: tests build many models.
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
-            step = torch.compile(_layer_forward, dynamic=False, fullgraph=True)
+            # A copy of the function with its own code object gets its own dynamo cache: this model's
+            # graphs never mix with another model's in the same process (see __call__'s guard skipping).
+            fn = _layer_forward
+            own = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__)
+            step = torch.compile(own, dynamic=False, fullgraph=True)
             for layer in model.layers:
                 layer.forward = functools.partial(_marked_layer, step, layer)
         self.ready = False
         self._warned_outside = False
+
+    @staticmethod
+    def device_type(model: DecoderModel) -> str:
+        return model.embed.weight.device.type
 
     def warm_buckets(self) -> list[tuple[Bucket, str]]:
         """One bucket per graph class, with the step sizes that share its graph."""
@@ -103,8 +115,10 @@ class Lowering:
                 self._warned_outside = True
             with torch.compiler.set_stance("force_eager"):
                 return self.model(*args)
-        # Once serving, a guard that would need a new graph runs eagerly instead of compiling.
-        with torch.compiler.set_stance("eager_on_recompile"):
+        # Once serving, a guard that would need a new graph runs eagerly instead of compiling; and only
+        # the guards that tell this model's three graphs apart are evaluated (per layer call, the full set
+        # cost more than the layer's own elementwise work on the CPU).
+        with torch.compiler.set_stance("eager_on_recompile", skip_guard_eval_unsafe=True):
             return self.model(*args)
 
     def warmup(self, run: Callable[[Bucket], None], progress: bool) -> list[BucketReport]:

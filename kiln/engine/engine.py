@@ -83,9 +83,8 @@ class LLMEngine:
                 f"{dims.max_positions}"
             )
         block_size = config.cache.block_size
-        num_blocks = int(config.cache.kv_cache_gib * 2**30) // kv_block_bytes(
-            self.model, block_size, self.model.embed.weight.dtype
-        )
+        block_bytes = kv_block_bytes(self.model, block_size, self.model.embed.weight.dtype)
+        num_blocks = int(config.cache.kv_cache_gib * 2**30) // block_bytes - 1  # one is the padding block
         if num_blocks * block_size < self.max_model_len:
             raise ValueError(
                 f"cache.kv_cache_gib={config.cache.kv_cache_gib} holds {num_blocks * block_size} tokens, "

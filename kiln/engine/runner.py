@@ -49,12 +49,13 @@ class ModelRunner:
         self.dtype = model.embed.weight.dtype
         self.block_size = config.cache.block_size
         d = model.dims
-        shape = (num_blocks, 2, self.block_size, d.num_kv_heads, d.head_dim)
+        # One block more than the block manager hands out: padding slots (-1) write into it (see write_kv).
+        shape = (num_blocks + 1, 2, self.block_size, d.num_kv_heads, d.head_dim)
         self.kv_caches = [
             torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(d.num_layers)
         ]
         max_tokens = config.scheduler.max_num_batched_tokens
-        max_seqs = config.scheduler.max_num_seqs
+        max_seqs = self.max_num_seqs = config.scheduler.max_num_seqs
         max_blocks = -(-max_model_len // self.block_size)
         # Host staging buffers, allocated once; each step fills a prefix of them.
         self.input_ids = np.zeros(max_tokens, dtype=np.int64)
@@ -70,7 +71,7 @@ class ModelRunner:
         self.lowering = Lowering(model, config, self.plan)
 
     def _tensor(self, array: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(array).to(self.device, non_blocking=True)
+        return torch.from_numpy(np.ascontiguousarray(array)).to(self.device, non_blocking=True)
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> StepResult:
@@ -139,7 +140,8 @@ class ModelRunner:
         size = bucket.size
         q_lens = [1] * size
         if bucket.kind == "tokens":
-            q_lens = [size - 2, 1, 1] if size >= 4 else [size]
+            decode_rows = min(2, self.max_num_seqs - 1, size - 2)
+            q_lens = [size - max(decode_rows, 0)] + [1] * max(decode_rows, 0)
         cu = np.concatenate([[0], np.cumsum(q_lens)])
         n = len(q_lens)
         self.input_ids[:size] = 0

@@ -187,4 +187,7 @@ class DecoderModel(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         assert self.logits_weight is not None, "call prepare() after loading weights"
+        head = self.embed.weight if self.lm_head is None else self.lm_head.weight
+        if hidden.shape[0] == 1 and head.device.type == "cpu":
+            return F.linear(hidden.to(head.dtype), head).float()  # the GEMV fast path, as in Linear
         return F.linear(hidden.float(), self.logits_weight)

@@ -25,19 +25,16 @@ class AttnMetadata:
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """kv_cache [num_blocks, 2, block_size, KVH, D]; padding slots (< 0) are left untouched."""
+    """kv_cache [num_blocks + 1, 2, block_size, KVH, D]. Its last block is the padding block, which the block
+    manager never hands out: a padding slot (-1) lands there, so the write is one mask-free scatter that
+    traces into a compiled graph, and no real block is touched."""
     block_size = kv_cache.shape[2]
-    keep = slot_mapping >= 0
-    slots = slot_mapping[keep]
-    blocks, offsets = slots // block_size, slots % block_size
-    kv_cache[blocks, 0, offsets] = k[keep].to(kv_cache.dtype)
-    kv_cache[blocks, 1, offsets] = v[keep].to(kv_cache.dtype)
-
-
-@torch.library.custom_op("kiln::write_kv", mutates_args=("kv_cache",))
-def write_kv_op(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """write_kv as one opaque op, so a compiled graph need not trace its data-dependent padding mask."""
-    write_kv(k, v, kv_cache, slot_mapping)
+    blocks = torch.div(slot_mapping, block_size, rounding_mode="floor")  # -1 -> -1, the padding block
+    row = blocks * (2 * block_size) + slot_mapping % block_size  # K's row in the flat view; V's is bs on
+    # One scatter into a flat view of the whole cache: Inductor does it in place (a scatter into a
+    # kv_cache[:, 0] slice compiled into a copy of the entire cache, 100x slower).
+    flat = kv_cache.view(-1, *kv_cache.shape[3:])
+    flat[torch.cat([row, row + block_size])] = torch.cat([k, v]).to(kv_cache.dtype)
 
 
 def _gather_kv(kv_cache: torch.Tensor, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -76,7 +73,7 @@ def attention(
         decode = decode * 2 if len(decode) == 1 else decode
         rows = torch.tensor([qsl[i] for i in decode])
         n_blocks = max(2, -(-max(lens[i] for i in decode) // block_size))
-        tables = block_table[decode, :n_blocks]
+        tables = block_table[decode, :n_blocks].contiguous()
         out[rows] = _paged_decode()(q[rows], kv_cache, tables, seq_lens[decode], scale, sliding_window)
     for i, n in enumerate(q_lens):
         if n <= 1:
@@ -106,7 +103,7 @@ def decode_attention(
     """Attention for a decode-only step, one query row per sequence. The block table and sequence lengths
     cover every row, padding included (the runner points padding at one valid slot), so no Python runs
     per row and the whole thing traces into the model's compiled graph."""
-    write_kv_op(k, v, kv_cache, meta.slot_mapping)
+    write_kv(k, v, kv_cache, meta.slot_mapping)
     if torch.compiler.is_compiling():
         return paged_decode(q, kv_cache, meta.block_table, meta.seq_lens, scale, sliding_window)
     return _paged_decode()(q, kv_cache, meta.block_table, meta.seq_lens, scale, sliding_window)
@@ -142,12 +139,17 @@ def paged_decode(
     return out.reshape(batch, num_heads, dim).to(q.dtype)
 
 
+def has_cxx() -> bool:
+    """Inductor's CPU backend compiles C++: without a compiler, CPU code runs eagerly."""
+    return shutil.which(os.environ.get("CXX", "g++")) is not None or shutil.which("clang++") is not None
+
+
 @functools.cache
 def _paged_decode() -> Callable[..., torch.Tensor]:
     """paged_decode compiled once per process, for eager steps and mixed steps' decode rows (Inductor's
     disk cache makes later processes quick); eager where no C++ compiler is found. Only the batch and
     block-count dims are dynamic: symbolic cache and head dims made tracing several times slower."""
-    if shutil.which(os.environ.get("CXX", "g++")) is None and shutil.which("clang++") is None:
+    if not has_cxx():
         log.warning("no C++ compiler found: paged decode attention runs eagerly (slower)")
         return paged_decode
     compiled = torch.compile(paged_decode, dynamic=False)
@@ -173,8 +175,3 @@ def _sdpa(
 @attention.register_fake
 def _(q, k, v, kv_cache, slot_mapping, query_start_loc, seq_lens, block_table, scale, sliding_window):
     return torch.empty_like(q)
-
-
-@write_kv_op.register_fake
-def _(k, v, kv_cache, slot_mapping):
-    return None

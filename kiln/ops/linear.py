@@ -29,6 +29,11 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.compute_dtype is None:
             return F.linear(x, self.weight, self.bias)
+        if x.shape[0] == 1:
+            # One row is a GEMV: torch's reduced-precision GEMV reads the weights once in their own dtype,
+            # at about twice fp32's speed, where upcasting first would add a copy (measured in BENCHMARKS.md).
+            w = self.weight
+            return F.linear(x.to(w.dtype), w, self.bias).to(x.dtype)
         dt = self.compute_dtype
         bias = None if self.bias is None else self.bias.to(dt)
         return F.linear(x.to(dt), self.weight.to(dt), bias).to(x.dtype)

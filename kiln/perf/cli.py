@@ -1,4 +1,4 @@
-"""`kiln perf run | plot | compare | serve-sweep`."""
+"""`kiln perf run | plot | compare | serve-sweep | startup`."""
 
 from __future__ import annotations
 
@@ -74,6 +74,21 @@ def cmd_serve_sweep(args: argparse.Namespace) -> int:
     return 0 if all(p.summary.failed == 0 for r in results for p in r.points) else 1
 
 
+def cmd_startup(args: argparse.Namespace) -> int:
+    _quiet_http_log()
+    from kiln.config import ConfigError
+    from kiln.perf.startup import startup, table
+    from kiln.perf.sweep import load_servers
+
+    try:
+        servers = load_servers(args.servers)
+    except ConfigError as e:
+        args.parser.error(str(e))
+    rows = startup(servers, args.repeats, args.out)
+    sys.stdout.write(table(rows) + f"\n{args.out / 'startup.json'}\n")
+    return 0
+
+
 def _quiet_http_log() -> None:
     # httpx logs every request at INFO, which would bury the sweep's own lines.
     logging.getLogger("httpx").setLevel(logging.WARNING)
@@ -110,3 +125,9 @@ def add_perf_parser(commands: argparse._SubParsersAction) -> None:
     ss.add_argument("--out", type=Path, default=DEFAULT_OUT)
     ss.add_argument("--plot", action="store_true", help="also write the charts")
     ss.set_defaults(run=cmd_serve_sweep, parser=ss)
+
+    st = sub.add_parser("startup", help="time to ready, cold (caches emptied) and warm, median of N starts")
+    st.add_argument("--servers", type=Path, required=True, help="YAML list of servers, with cache_dirs")
+    st.add_argument("--repeats", type=int, default=3)
+    st.add_argument("--out", type=Path, default=DEFAULT_OUT / "startup")
+    st.set_defaults(run=cmd_startup, parser=st)

@@ -31,6 +31,7 @@ class ServerSpec(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     api_key: str | None = None
     ready_timeout_s: float = 600.0
     log: str | None = None  # where its output goes; default: OUT/NAME.log
+    cache_dirs: list[str] = []  # what `kiln perf startup` empties before a cold start ($VARS and ~ expand)
 
 
 class Servers(msgspec.Struct, forbid_unknown_fields=True):
@@ -71,20 +72,25 @@ def stop(proc: subprocess.Popen) -> None:
         proc.wait()
 
 
+def launch(server: ServerSpec, out_dir: Path) -> subprocess.Popen:
+    """Starts the server's command in its own process group, its output in its log file."""
+    log_path = Path(server.log) if server.log else out_dir / f"{server.name}.log"
+    log.info("starting %s: %s (output in %s)", server.name, server.command, log_path)
+    with log_path.open("wb") as out:
+        return subprocess.Popen(
+            ["bash", "-c", server.command],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, **server.env},
+            start_new_session=True,
+        )
+
+
 def serve_sweep(servers: list[ServerSpec], spec: Spec, out_dir: Path) -> list[Result]:
     out_dir.mkdir(parents=True, exist_ok=True)
     results = []
     for server in servers:
-        log_path = Path(server.log) if server.log else out_dir / f"{server.name}.log"
-        log.info("starting %s: %s (output in %s)", server.name, server.command, log_path)
-        with log_path.open("wb") as out:
-            proc = subprocess.Popen(
-                ["bash", "-c", server.command],
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                env={**os.environ, **server.env},
-                start_new_session=True,
-            )
+        proc = launch(server, out_dir)
         try:
             ready = wait_ready(server, proc)
             log.info("%s ready in %.1f s", server.name, ready)

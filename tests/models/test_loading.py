@@ -92,5 +92,5 @@ def test_missing_model_folder(tmp_path: Path) -> None:
 
 
 def test_unbuilt_compile_mode_says_so(llama: Path) -> None:
-    with pytest.raises(NotImplementedError, match="cudagraph"):
+    with pytest.raises(ValueError, match="compile mode 'cudagraph' needs the CUDA backend"):
         LLM(str(llama), mode="cudagraph")

@@ -103,9 +103,9 @@ def _naive_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
 
 def test_paged_attention_mixed_batch_on_cached_prefix() -> None:
     """Two decodes and a prefill chunk sitting on a 21-token cached prefix, in scattered blocks,
-    plus a padding row whose slot is -1 and must write nothing."""
+    plus a padding row whose slot is -1 and must write nothing outside the padding block (the last one)."""
     H, KVH, D, bs, num_blocks = 4, 2, 8, 4, 32
-    cache = torch.randn(num_blocks, 2, bs, KVH, D)
+    cache = torch.randn(num_blocks + 1, 2, bs, KVH, D)
     contexts = [9, 14, 21 + 6]  # seq_lens after this step
     new = [1, 1, 6]
     tables = [torch.randperm(num_blocks)[: -(-c // bs)] for c in contexts]
@@ -136,7 +136,8 @@ def test_paged_attention_mixed_batch_on_cached_prefix() -> None:
         D**-0.5,
         0,
     )
-    written = torch.zeros(num_blocks, bs, dtype=torch.bool)
+    written = torch.zeros(num_blocks + 1, bs, dtype=torch.bool)
+    written[num_blocks] = True  # the padding block
     for s in slots[:-1]:
         written[s // bs, s % bs] = True
     assert torch.equal(
