@@ -83,6 +83,7 @@ class Lowering:
                 layer.forward = functools.partial(_marked_layer, step, layer)
         self.ready = False
         self._warned_outside = False
+        self._skip_guards = True
 
     @staticmethod
     def device_type(model: DecoderModel) -> str:
@@ -116,9 +117,20 @@ class Lowering:
             with torch.compiler.set_stance("force_eager"):
                 return self.model(*args)
         # Once serving, a guard that would need a new graph runs eagerly instead of compiling; and only
-        # the guards that tell this model's three graphs apart are evaluated (per layer call, the full set
-        # cost more than the layer's own elementwise work on the CPU).
-        with torch.compiler.set_stance("eager_on_recompile", skip_guard_eval_unsafe=True):
+        # the guards that tell the warmed graphs apart are evaluated (per layer call, the full set cost
+        # more than the layer's own elementwise work on the CPU). Should a step still miss every graph,
+        # that stance raises before or between layers; a forward is idempotent (it writes the same KV
+        # slots with the same values), so the step reruns with every guard checked, and so do later ones.
+        if self._skip_guards:
+            try:
+                with torch.compiler.set_stance("eager_on_recompile", skip_guard_eval_unsafe=True):
+                    return self.model(*args)
+            except RuntimeError as e:
+                if "skip_guard_eval_unsafe" not in str(e):
+                    raise
+                log.warning("a step matched no warmed graph; checking every guard from now on: %s", e)
+                self._skip_guards = False
+        with torch.compiler.set_stance("eager_on_recompile"):
             return self.model(*args)
 
     def warmup(self, run: Callable[[Bucket], None], progress: bool) -> list[BucketReport]:
