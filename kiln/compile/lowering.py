@@ -63,7 +63,7 @@ class Lowering:
         self.model = model
         self.plan = plan
         self.mode = config.compile.mode
-        if self.mode == "compiled" and self.device_type(model) == "cpu" and not has_cxx():
+        if self.mode == "compiled" and model.embed.weight.device.type == "cpu" and not has_cxx():
             log.warning("no C++ compiler found: compile mode 'compiled' runs eagerly instead (slower)")
             self.mode = "eager"
         if self.mode == "cudagraph":
@@ -84,10 +84,6 @@ class Lowering:
         self.ready = False
         self._warned_outside = False
         self._skip_guards = True
-
-    @staticmethod
-    def device_type(model: DecoderModel) -> str:
-        return model.embed.weight.device.type
 
     def warm_buckets(self) -> list[tuple[Bucket, str]]:
         """One bucket per graph class, with the step sizes that share its graph."""

@@ -100,9 +100,9 @@ def decode_attention(
     scale: float,
     sliding_window: int,
 ) -> torch.Tensor:
-    """Attention for a decode-only step, one query row per sequence. The block table and sequence lengths
-    cover every row, padding included (the runner points padding at one valid slot), so no Python runs
-    per row and the whole thing traces into the model's compiled graph."""
+    """Attention for a decode-only step, one query row per sequence. Every row has a block-table row and a
+    length (a padding row writes into the padding block and reads block 0), so no Python runs per row
+    and the whole thing traces into the model's compiled graph."""
     write_kv(k, v, kv_cache, meta.slot_mapping)
     if torch.compiler.is_compiling():
         return paged_decode(q, kv_cache, meta.block_table, meta.seq_lens, scale, sliding_window)
@@ -154,7 +154,14 @@ def _paged_decode() -> Callable[..., torch.Tensor]:
         return paged_decode
     compiled = torch.compile(paged_decode, dynamic=False)
 
-    def run(q, kv_cache, block_table, seq_lens, scale, sliding_window):
+    def run(
+        q: torch.Tensor,
+        kv_cache: torch.Tensor,
+        block_table: torch.Tensor,
+        seq_lens: torch.Tensor,
+        scale: float,
+        sliding_window: int,
+    ) -> torch.Tensor:
         torch._dynamo.maybe_mark_dynamic(q, 0)
         torch._dynamo.maybe_mark_dynamic(seq_lens, 0)
         torch._dynamo.maybe_mark_dynamic(block_table, 0)
