@@ -1,6 +1,7 @@
 """Compiled (every layer under torch.compile, fullgraph) gives eager's greedy tokens, on every tiny
 architecture and on the default model, through decode batches of one and several and mixed steps."""
 
+import logging
 from pathlib import Path
 
 import pytest
@@ -31,3 +32,21 @@ def test_default_model_compiled_matches_eager(default_model_dir: Path) -> None:
         runs[mode + "-1"] = llm.generate(prompts[:1], params, use_tqdm=False)[0].outputs[0].token_ids
     assert runs["compiled"] == runs["eager"]
     assert runs["compiled-1"] == runs["eager-1"] == runs["eager"][0]
+
+
+def test_step_outside_the_buckets_runs_eagerly_and_says_so_once(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Decode buckets of 1 and 2 but four sequences: batches of 3 and 4 have no bucket."""
+    build("llama", tmp_path)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    options = dict(dtype="float32", kv_cache_gib=0.01, max_num_seqs=4, max_num_batched_tokens=64)
+    prompts = PROMPTS + PROMPTS[:1]
+    eager = LLM(str(tmp_path), mode="eager", **options).generate(prompts, params, use_tqdm=False)
+    llm = LLM(str(tmp_path), mode="compiled", decode_sizes=[1, 2], **options)
+    with caplog.at_level(logging.WARNING, logger="kiln.compile.lowering"):
+        out = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in out] == [o.outputs[0].token_ids for o in eager]
+    outside = [r for r in caplog.records if "outside the compiled buckets" in r.getMessage()]
+    assert len(outside) == 1
+    assert outside[0].getMessage().startswith("a decode step of 4 tokens is outside the compiled buckets")
