@@ -144,10 +144,12 @@ class CompileCache:
         return False
 
     def save(self, report: list[dict[str, Any]]) -> None:
-        """Writes this process's compile artifacts as the entry, atomically. Call with the lock held."""
+        """Writes this process's compile artifacts as the entry, atomically. Call with the lock held.
+        Nothing to save only costs the next start its compile time, so it warns rather than fails."""
         saved = torch.compiler.save_cache_artifacts()
         if saved is None:
-            raise CacheError("torch recorded no compile artifacts to save")
+            log.warning("torch recorded no compile artifacts: compile cache entry %s not written", self.key)
+            return
         self._install({ARTIFACTS: saved[0]}, report)
 
     def _install(self, blobs: dict[str, bytes], report: list[dict[str, Any]]) -> None:

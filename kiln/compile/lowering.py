@@ -52,12 +52,6 @@ def compile_counters() -> dict[str, int]:
     }
 
 
-def compile_counts() -> tuple[int, int]:
-    """Inductor's FX-graph cache (misses, hits) so far in this process: a miss is a graph compiled."""
-    inductor = counters["inductor"]
-    return inductor["fxgraph_cache_miss"], inductor["fxgraph_cache_hit"]
-
-
 class Lowering:
     def __init__(self, model: DecoderModel, config: EngineConfig, plan: BucketPlan) -> None:
         self.model = model
@@ -95,13 +89,10 @@ class Lowering:
         out.append((Bucket("tokens", t[0]), f"mixed 2..{t[-1]} tokens"))
         return out
 
-    def in_plan(self, num_tokens: int, decode_only: bool) -> bool:
-        return self.plan.bucket(num_tokens, decode_only) is not None
-
     def __call__(self, num_tokens: int, decode_only: bool, *args: object) -> torch.Tensor:
         if not self.ready:
             return self.model(*args)
-        if not self.in_plan(num_tokens, decode_only):
+        if self.plan.bucket(num_tokens, decode_only) is None:
             if not self._warned_outside:
                 log.warning(
                     "a %s step of %d tokens is outside the compiled buckets: running it eagerly "
@@ -136,12 +127,14 @@ class Lowering:
         buckets = self.warm_buckets()
         with _no_duck_shapes():
             for bucket, covers in tqdm(buckets, desc="warmup", unit="bucket", disable=not progress):
-                misses, hits = compile_counts()
+                before = compile_counters()
                 clock = time.perf_counter()
                 run(bucket)
                 seconds = time.perf_counter() - clock
-                new_misses, new_hits = compile_counts()
-                source = "compiled" if new_misses > misses else "cache" if new_hits > hits else "shared"
+                after = compile_counters()
+                compiled = after["fxgraph_cache_miss"] > before["fxgraph_cache_miss"]
+                loaded = after["fxgraph_cache_hit"] > before["fxgraph_cache_hit"]
+                source = "compiled" if compiled else "cache" if loaded else "shared"
                 reports.append(BucketReport(str(bucket), covers, seconds, source))
                 log.info("bucket %s (%s): %s in %.2f s", bucket, covers, source, seconds)
         self.ready = True

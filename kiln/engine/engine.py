@@ -113,8 +113,8 @@ class LLMEngine:
         compile_config = self.config.compile
         options = {
             "mode": compile_config.mode,
-            "decode_sizes": self.runner.plan.decode_sizes,
-            "token_sizes": self.runner.plan.token_sizes,
+            "decode_sizes": self.runner.lowering.plan.decode_sizes,
+            "token_sizes": self.runner.lowering.plan.token_sizes,
         }
         cache = CompileCache(key_parts(self.model, self.runner.dtype, self.runner.device, options))
         if compile_config.cache_file is not None:

@@ -67,8 +67,7 @@ class ModelRunner:
         self.block_table = np.zeros((max_seqs + 1, max(max_blocks, 2)), dtype=np.int32)
         generator = torch.Generator(device=self.device).manual_seed(config.model.seed)
         self.sampler = Sampler(generator)
-        self.plan = BucketPlan.from_config(config)
-        self.lowering = Lowering(model, config, self.plan)
+        self.lowering = Lowering(model, config, BucketPlan.from_config(config))
 
     def _tensor(self, array: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(array)).to(self.device, non_blocking=True)
