@@ -68,7 +68,7 @@ SERVE_FLAGS: dict[str, tuple[str, str, dict]] = {
     "--drain-timeout": ("server", "drain_timeout", {"type": float, "help": "seconds SIGTERM waits"}),
     "--gpu-memory-utilization": ("cache", "gpu_memory_utilization", {"type": float}),
     "--tensor-parallel-size": ("parallel", "tensor_parallel_size", {"type": int}),
-    "--compile-mode": ("compile", "mode", {"choices": ["eager", "compiled", "cudagraph"]}),
+    "--compile-mode": ("compile", "mode", {"choices": ["auto", "eager", "compiled", "cudagraph"]}),
     "--compile-cache": ("compile", "cache_file", {"metavar": "FILE", "help": "a kiln warmup --export file"}),
 }
 

@@ -41,12 +41,20 @@ class ParallelConfig(_Section):
 
 
 class CompileConfig(_Section):
-    mode: Literal["eager", "compiled", "cudagraph"] = "compiled"
+    # auto: cudagraph on CUDA (compiled layers, decode steps replayed as CUDA graphs), compiled on a CPU.
+    mode: Literal["auto", "eager", "compiled", "cudagraph"] = "auto"
     # Batch sizes decode steps are padded to (null: 1, 2, 4, 8, then steps of 8 up to max_num_seqs).
     decode_sizes: list[Annotated[int, Meta(ge=1)]] | None = None
     # Token counts mixed and prefill steps are padded to (null: powers of two up to max_num_batched_tokens).
     token_sizes: list[Annotated[int, Meta(ge=2)]] | None = None
     cache_file: str | None = None  # a `kiln warmup --export` file to install before warming up
+
+
+class BackendConfig(_Section):
+    # auto: Triton kernels and FlashInfer on CUDA when they import, the torch references otherwise.
+    kernels: Literal["auto", "torch", "triton"] = "auto"
+    attention: Literal["auto", "torch", "flashinfer"] = "auto"
+    sampler: Literal["auto", "torch", "flashinfer"] = "auto"
 
 
 class EngineConfig(_Section):
@@ -55,6 +63,7 @@ class EngineConfig(_Section):
     scheduler: SchedulerConfig = msgspec.field(default_factory=SchedulerConfig)
     compile: CompileConfig = msgspec.field(default_factory=CompileConfig)
     parallel: ParallelConfig = msgspec.field(default_factory=ParallelConfig)
+    backend: BackendConfig = msgspec.field(default_factory=BackendConfig)
 
     def check_supported(self) -> None:
         """Knobs kept for vLLM compatibility but not built yet fail loudly rather than being ignored."""
@@ -87,6 +96,7 @@ _SECTIONS: dict[str, type[_Section]] = {
     "scheduler": SchedulerConfig,
     "compile": CompileConfig,
     "parallel": ParallelConfig,
+    "backend": BackendConfig,
 }
 
 

@@ -1,7 +1,14 @@
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
+
+# Without a GPU, Triton kernels run in Triton's interpreter (on CPU tensors). It is read when a kernel is
+# defined, so it is set before any test imports kiln.ops.triton.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from tests.api.server import Server, start_server
 

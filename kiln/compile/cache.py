@@ -40,10 +40,12 @@ class CacheError(RuntimeError):
     pass
 
 
-def point_torch_caches(root: Path) -> None:
-    """Inductor and Triton keep their caches under kiln's root (they read these variables on each use)."""
+def point_caches(root: Path) -> None:
+    """Inductor, Triton and FlashInfer keep their build caches under kiln's root. Inductor and Triton read
+    these variables on each use; FlashInfer reads its own once, on import, so the engine calls this first."""
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(root / "inductor")
     os.environ["TRITON_CACHE_DIR"] = str(root / "triton")
+    os.environ["FLASHINFER_WORKSPACE_BASE"] = str(root / "flashinfer")  # JIT builds land in .cache/flashinfer
 
 
 def key_parts(model: torch.nn.Module, dtype: torch.dtype, device: torch.device, options: dict) -> dict:
@@ -94,7 +96,7 @@ class CompileCache:
         self.parts = parts
         self.key = hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:24]
         self.dir = self.root / "compile" / self.key
-        point_torch_caches(self.root)
+        point_caches(self.root)
 
     @contextlib.contextmanager
     def lock(self) -> Iterator[None]:

@@ -23,6 +23,7 @@ from torch._dynamo.utils import counters
 from tqdm import tqdm
 
 from kiln.compile.buckets import Bucket, BucketPlan
+from kiln.compile.cudagraph import CudaGraphs
 from kiln.config import EngineConfig
 from kiln.models.decoder import DecoderModel
 from kiln.ops.attention import AttnMetadata, has_cxx
@@ -56,32 +57,47 @@ class Lowering:
     def __init__(self, model: DecoderModel, config: EngineConfig, plan: BucketPlan) -> None:
         self.model = model
         self.plan = plan
+        cuda = model.embed.weight.device.type == "cuda"
         self.mode = config.compile.mode
-        if self.mode == "compiled" and model.embed.weight.device.type == "cpu" and not has_cxx():
+        if self.mode == "auto":
+            self.mode = "cudagraph" if cuda else "compiled"
+        if self.mode == "compiled" and not cuda and not has_cxx():
             log.warning("no C++ compiler found: compile mode 'compiled' runs eagerly instead (slower)")
             self.mode = "eager"
-        if self.mode == "cudagraph":
-            raise ValueError(
-                "compile mode 'cudagraph' needs the CUDA backend, which is not built yet; "
-                "use 'compiled' or 'eager'"
-            )
-        if self.mode == "compiled":
+        if self.mode == "cudagraph" and not cuda:
+            raise ValueError("compile mode 'cudagraph' needs a CUDA device; use 'compiled' or 'eager'")
+        self.graphs = CudaGraphs() if self.mode == "cudagraph" else None
+        if self.mode in ("compiled", "cudagraph"):
             # Dynamo's compile cache is per code object and process-wide: tests build many models.
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
             # A copy of the function with its own code object gets its own dynamo cache: this model's
             # graphs never mix with another model's in the same process (see __call__'s guard skipping).
             fn = _layer_forward
             own = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__)
-            step = torch.compile(own, dynamic=False, fullgraph=True)
+            # An opaque attention backend (FlashInfer) splits each layer into two graphs around it.
+            step = torch.compile(own, dynamic=False, fullgraph=model.attention.traceable)
             for layer in model.layers:
                 layer.forward = functools.partial(_marked_layer, step, layer)
         self.ready = False
         self._warned_outside = False
         self._skip_guards = True
 
+    def graph_batch(self, num_reqs: int, decode_only: bool) -> int | None:
+        """The captured (or, during warmup, to be captured) CUDA graph's batch size for this step."""
+        if self.graphs is None or not decode_only:
+            return None
+        bucket = self.plan.bucket(num_reqs, decode_only=True)
+        if bucket is None or (self.ready and bucket.size not in self.graphs.captured):
+            return None
+        return bucket.size
+
     def warm_buckets(self) -> list[tuple[Bucket, str]]:
-        """One bucket per graph class, with the step sizes that share its graph."""
+        """One bucket per graph class, with the step sizes that share its graph; with CUDA graphs, every
+        decode bucket (each is its own graph), largest first so the smaller ones reuse its memory."""
         d, t = self.plan.decode_sizes, self.plan.token_sizes
+        if self.graphs is not None:
+            decode = [(Bucket("decode", n), f"decode {n} (CUDA graph)") for n in reversed(d)]
+            return [*decode, (Bucket("tokens", t[0]), f"mixed 2..{t[-1]} tokens")]
         out = [(Bucket("decode", 1), "decode 1")] if d[0] == 1 else []
         if d[-1] > 1:
             first = next(s for s in d if s > 1)
@@ -89,7 +105,11 @@ class Lowering:
         out.append((Bucket("tokens", t[0]), f"mixed 2..{t[-1]} tokens"))
         return out
 
-    def __call__(self, num_tokens: int, decode_only: bool, *args: object) -> torch.Tensor:
+    def __call__(self, num_tokens: int, decode_only: bool, *args: Any) -> torch.Tensor:
+        if self.graphs is not None and decode_only and num_tokens in self.graphs.captured:
+            return self.graphs.replay(num_tokens, args)
+        if self.graphs is not None and decode_only and not self.ready:
+            return self.graphs.capture(num_tokens, self.model, args)
         if not self.ready:
             return self.model(*args)
         if self.plan.bucket(num_tokens, decode_only) is None:

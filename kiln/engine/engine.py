@@ -12,7 +12,7 @@ import msgspec
 import torch
 from transformers import AutoTokenizer, GenerationConfig
 
-from kiln.compile.cache import CompileCache, key_parts
+from kiln.compile.cache import CompileCache, key_parts, point_caches
 from kiln.compile.lowering import BucketReport
 from kiln.config import EngineConfig
 from kiln.engine.block_manager import BlockManager
@@ -22,6 +22,8 @@ from kiln.engine.request import Logprob, PositionLogprobs, Request
 from kiln.engine.runner import ModelRunner, StepResult, kv_block_bytes
 from kiln.engine.scheduler import Scheduler
 from kiln.models.loader import load_model
+from kiln.ops.backend import choose_backend, kernels_for
+from kiln.paths import cache_root
 from kiln.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -68,7 +70,11 @@ class LLMEngine:
         self.config = config
         clock = time.perf_counter()
         path = resolve_model(config.model.model)
-        self.model = load_model(path, config.model.dtype, config.model.device)
+        device = torch.device(config.model.device)
+        point_caches(cache_root())
+        b = config.backend
+        self.backend = choose_backend(b.kernels, b.attention, b.sampler, device)
+        self.model = load_model(path, config.model.dtype, device, kernels_for(self.backend))
         self.timings = {"weights": time.perf_counter() - clock}
         clock = time.perf_counter()
         self.tokenizer = load_tokenizer(config, path)
@@ -92,17 +98,21 @@ class LLMEngine:
             )
         self.block_manager = BlockManager(num_blocks, block_size, config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.block_manager)
-        self.runner = ModelRunner(self.model, config, num_blocks, self.max_model_len)
+        self.runner = ModelRunner(self.model, config, num_blocks, self.max_model_len, self.backend)
         self.eos_token_ids = self._eos_ids(path)
         self.parents: dict[str, _Parent] = {}
         self.timings["kv_cache"] = time.perf_counter() - clock
         log.info(
-            "engine ready: %s (%s), %d KV blocks of %d tokens, max_model_len %d",
+            "engine ready: %s (%s), %d KV blocks of %d tokens, max_model_len %d; kernels %s, attention %s, "
+            "sampler %s",
             self.model.spec.name,
             self.model.embed.weight.dtype,
             num_blocks,
             block_size,
             self.max_model_len,
+            self.backend.kernels,
+            self.backend.attention,
+            self.backend.sampler,
         )
 
     def warmup(self, progress: bool = False) -> list[BucketReport]:
@@ -112,7 +122,8 @@ class LLMEngine:
         clock = time.perf_counter()
         compile_config = self.config.compile
         options = {
-            "mode": compile_config.mode,
+            "mode": self.runner.lowering.mode,
+            "backend": [self.backend.kernels, self.backend.attention],
             "decode_sizes": self.runner.lowering.plan.decode_sizes,
             "token_sizes": self.runner.lowering.plan.token_sizes,
         }

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -12,10 +13,11 @@ from kiln.compile.buckets import Bucket, BucketPlan
 from kiln.compile.lowering import Lowering
 from kiln.config import EngineConfig
 from kiln.engine.request import Request
-from kiln.engine.sampler import Sampler, SamplerOutput, SamplingMetadata, compute_logprobs
+from kiln.engine.sampler import Draw, Sampler, SamplerOutput, SamplingMetadata, compute_logprobs
 from kiln.engine.scheduler import ScheduledBatch
 from kiln.models.decoder import DecoderModel
-from kiln.ops.attention import AttnMetadata
+from kiln.ops.attention import AttnMetadata, StepLayout
+from kiln.ops.backend import TORCH_BACKEND, BackendChoice
 
 log = logging.getLogger(__name__)
 
@@ -42,12 +44,18 @@ def kv_block_bytes(model: DecoderModel, block_size: int, dtype: torch.dtype) -> 
 
 class ModelRunner:
     def __init__(
-        self, model: DecoderModel, config: EngineConfig, num_blocks: int, max_model_len: int
+        self,
+        model: DecoderModel,
+        config: EngineConfig,
+        num_blocks: int,
+        max_model_len: int,
+        backend: BackendChoice = TORCH_BACKEND,
     ) -> None:
         self.model = model
         self.device = model.embed.weight.device
         self.dtype = model.embed.weight.dtype
         self.block_size = config.cache.block_size
+        self.padding_block = num_blocks
         d = model.dims
         # One block more than the block manager hands out: padding slots (-1) write into it (see write_kv).
         shape = (num_blocks + 1, 2, self.block_size, d.num_kv_heads, d.head_dim)
@@ -65,8 +73,17 @@ class ModelRunner:
         self.query_start_loc = np.zeros(max_seqs + 2, dtype=np.int32)
         self.seq_lens = np.zeros(max_seqs + 1, dtype=np.int32)
         self.block_table = np.zeros((max_seqs + 1, max(max_blocks, 2)), dtype=np.int32)
+        if backend.attention == "flashinfer":
+            from kiln.ops.flashinfer_attention import FlashInferAttention
+
+            model.use_attention(
+                FlashInferAttention(
+                    d.num_heads, d.num_kv_heads, d.head_dim, self.block_size, self.dtype, self.device,
+                    self.block_table.shape[1], d.head_dim**-0.5, d.sliding_window,
+                )
+            )  # fmt: skip
         generator = torch.Generator(device=self.device).manual_seed(config.model.seed)
-        self.sampler = Sampler(generator)
+        self.sampler = Sampler(generator, *_sampling_ops(backend))
         self.lowering = Lowering(model, config, BucketPlan.from_config(config))
 
     def _tensor(self, array: np.ndarray) -> torch.Tensor:
@@ -121,6 +138,28 @@ class ModelRunner:
             self.seq_lens[1] = 0
             num_reqs = 2
         width = max(2, -(-int(self.seq_lens[:num_reqs].max()) // self.block_size))
+        graph = self.lowering.graph_batch(num_reqs, decode_only)
+        if graph is not None:
+            # A captured decode graph has fixed shapes: pad to its batch with rows that write nothing
+            # real (slot -1) and read one token of the padding block; the block table is full width.
+            pad = slice(num_reqs, graph)
+            self.input_ids[pad] = 0
+            self.positions[pad] = 0
+            self.slot_mapping[pad] = -1
+            self.query_start_loc[num_reqs + 1 : graph + 1] = np.arange(num_reqs + 1, graph + 1)
+            self.seq_lens[pad] = 1
+            self.block_table[pad] = self.padding_block
+            num_tokens = num_reqs = graph
+            width = self.block_table.shape[1]
+        self.model.attention.plan(
+            StepLayout(
+                self.query_start_loc[: num_reqs + 1],
+                self.seq_lens[:num_reqs],
+                self.block_table[:num_reqs, :width],
+                decode_only,
+                graph is not None,
+            )
+        )
         meta = AttnMetadata(
             slot_mapping=self._tensor(self.slot_mapping[:num_tokens]),
             query_start_loc=self._tensor(self.query_start_loc[: num_reqs + 1]),
@@ -171,3 +210,13 @@ class ModelRunner:
             targets = torch.tensor(r.token_ids[start + 1 : end + 1], device=self.device)
             out[r] = PromptLogprobs(start, *compute_logprobs(logits, targets, k))
         return out
+
+
+def _sampling_ops(backend: BackendChoice) -> tuple[Callable | None, Draw | None]:
+    """The sampler's prepare and draw steps for the chosen backend (None: the torch reference)."""
+    prepare = draw = None
+    if backend.kernels == "triton":
+        from kiln.ops.triton.sampling import prepare_logits as prepare
+    if backend.sampler == "flashinfer":
+        from kiln.ops.flashinfer_sampling import draw_tokens as draw
+    return prepare, draw

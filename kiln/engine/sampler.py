@@ -134,40 +134,68 @@ class SamplerOutput:
     ranks: torch.Tensor | None  # [B] int64: rank of the sampled token (1 = most likely)
 
 
+Draw = Callable[[torch.Tensor, "SamplingMetadata", torch.Generator | None], torch.Tensor]
+
+
 class Sampler:
-    def __init__(self, generator: torch.Generator | None = None) -> None:
+    """prepare: penalties, bias and temperature (prepare_logits or its Triton kernel); draw: min-p, top-k,
+    top-p and the random draw (draw below, or FlashInfer's sort-free kernels). Greedy rows are an exact
+    argmax either way."""
+
+    def __init__(
+        self,
+        generator: torch.Generator | None = None,
+        prepare: Callable[[torch.Tensor, SamplingMetadata], torch.Tensor] | None = None,
+        draw: Draw | None = None,
+    ) -> None:
         self.generator = generator  # for rows without a seed; None means torch's default
+        self.prepare = prepare or prepare_logits
+        self.draw = draw or draw_tokens
 
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
-        # Work on a copy: the caller owns the logits, and logprobs come from the raw ones.
-        processed = apply_penalties(logits.to(torch.float32, copy=True), meta)
+        # The prepared logits are a copy: the caller owns the logits, and logprobs come from the raw ones.
+        processed = self.prepare(logits, meta)
         token_ids = processed.argmax(dim=-1)
         if not meta.all_greedy:
-            token_ids = torch.where(meta.greedy, token_ids, self._sample(processed, meta))
+            token_ids = torch.where(meta.greedy, token_ids, self.draw(processed, meta, self.generator))
         if not meta.want_logprobs:
             return SamplerOutput(token_ids, None, None, None)
         return SamplerOutput(token_ids, *compute_logprobs(logits, token_ids, meta.max_logprobs))
 
-    def _sample(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
-        logits.div_(meta.temperature[:, None])
-        if meta.min_p is not None:
-            probs = logits.softmax(dim=-1)
-            threshold = meta.min_p[:, None] * probs.amax(dim=-1, keepdim=True)
-            logits.masked_fill_(probs < threshold, float("-inf"))
-        if meta.top_k is not None or meta.top_p is not None:
-            logits = _top_k_top_p(logits, meta.top_k, meta.top_p)
-        probs = logits.softmax(dim=-1)
 
-        # argmax(p / q) with q ~ Exp(1) draws from p; a seeded row's noise comes only from its
-        # own generator, so its tokens don't depend on the rest of the batch.
-        noise = torch.empty_like(probs)
-        if len(meta.generators) < len(probs):
-            noise.exponential_(generator=self.generator)
-        for row, generator in meta.generators.items():
-            noise[row].exponential_(generator=generator)
-        # A zero draw would make 0 / 0 = nan on a filtered token, and argmax favours nan.
-        noise.clamp_min_(torch.finfo(noise.dtype).tiny)
-        return probs.div_(noise).argmax(dim=-1)
+def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """In place: drops tokens less likely than min_p times the row's most likely token."""
+    probs = logits.softmax(dim=-1)
+    threshold = min_p[:, None] * probs.amax(dim=-1, keepdim=True)
+    return logits.masked_fill_(probs < threshold, float("-inf"))
+
+
+def draw_tokens(
+    logits: torch.Tensor, meta: SamplingMetadata, generator: torch.Generator | None
+) -> torch.Tensor:
+    """Samples each row of prepared logits (modified in place) under its min-p, top-k and top-p."""
+    if meta.min_p is not None:
+        apply_min_p(logits, meta.min_p)
+    if meta.top_k is not None or meta.top_p is not None:
+        logits = _top_k_top_p(logits, meta.top_k, meta.top_p)
+    probs = logits.softmax(dim=-1)
+
+    # argmax(p / q) with q ~ Exp(1) draws from p; a seeded row's noise comes only from its
+    # own generator, so its tokens don't depend on the rest of the batch.
+    noise = torch.empty_like(probs)
+    if len(meta.generators) < len(probs):
+        noise.exponential_(generator=generator)
+    for row, own in meta.generators.items():
+        noise[row].exponential_(generator=own)
+    # A zero draw would make 0 / 0 = nan on a filtered token, and argmax favours nan.
+    noise.clamp_min_(torch.finfo(noise.dtype).tiny)
+    return probs.div_(noise).argmax(dim=-1)
+
+
+def prepare_logits(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    """Everything before the draw, on an fp32 copy: penalties and bias, then temperature (1 on greedy rows,
+    so their argmax is unchanged). The Triton sampling-prep kernel computes the same function."""
+    return apply_penalties(logits.to(torch.float32, copy=True), meta).div_(meta.temperature[:, None])
 
 
 def apply_penalties(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:

@@ -7,12 +7,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from kiln.models.spec import ArchSpec, ModelDims
-from kiln.ops.activation import ACTIVATIONS, silu_and_mul
-from kiln.ops.attention import AttnMetadata, attention, decode_attention
+from kiln.ops.activation import ACTIVATIONS
+from kiln.ops.attention import TORCH_ATTENTION, AttentionBackend, AttnMetadata
+from kiln.ops.backend import TORCH_KERNELS, Kernels
 from kiln.ops.linear import Linear, native_matmul_dtypes
-from kiln.ops.moe import moe_experts, route
-from kiln.ops.norm import layer_norm, rms_norm
-from kiln.ops.rotary import apply_rotary, rope_cos_sin, rope_inv_freq
+from kiln.ops.moe import route
+from kiln.ops.norm import layer_norm
+from kiln.ops.rotary import rope_cos_sin, rope_inv_freq
 
 log = logging.getLogger(__name__)
 
@@ -22,9 +23,9 @@ def _param(*shape: int) -> nn.Parameter:
 
 
 class Norm(nn.Module):
-    def __init__(self, kind: str, dim: int, eps: float) -> None:
+    def __init__(self, kind: str, dim: int, eps: float, kernels: Kernels) -> None:
         super().__init__()
-        self.kind, self.eps = kind, eps
+        self.kind, self.eps, self.kernels = kind, eps, kernels
         self.weight = _param(dim)
         self.bias = _param(dim) if kind == "layer" else None
 
@@ -32,19 +33,23 @@ class Norm(nn.Module):
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if self.kind == "rms":
-            return rms_norm(x, self.weight, self.eps, residual)
+            return self.kernels.rms_norm(x, self.weight, self.eps, residual)
         return layer_norm(x, self.weight, self.bias, self.eps, residual)
 
 
 class Attention(nn.Module):
-    def __init__(self, d: ModelDims) -> None:
+    def __init__(self, d: ModelDims, kernels: Kernels) -> None:
         super().__init__()
+        self.kernels = kernels
+        self.backend: AttentionBackend = (
+            TORCH_ATTENTION  # the runner sets its own (DecoderModel.use_attention)
+        )
         self.num_heads, self.num_kv_heads, self.head_dim = d.num_heads, d.num_kv_heads, d.head_dim
         self.q_size, self.kv_size = d.num_heads * d.head_dim, d.num_kv_heads * d.head_dim
         self.qkv = Linear(d.hidden_size, self.q_size + 2 * self.kv_size, bias=d.qkv_bias)
         self.o = Linear(self.q_size, d.hidden_size, bias=d.o_bias)
-        self.q_norm = Norm("rms", d.head_dim, d.norm_eps) if d.qk_norm else None
-        self.k_norm = Norm("rms", d.head_dim, d.norm_eps) if d.qk_norm else None
+        self.q_norm = Norm("rms", d.head_dim, d.norm_eps, kernels) if d.qk_norm else None
+        self.k_norm = Norm("rms", d.head_dim, d.norm_eps, kernels) if d.qk_norm else None
         self.scale = d.head_dim**-0.5
         self.sliding_window = d.sliding_window
 
@@ -63,37 +68,24 @@ class Attention(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q)[0], self.k_norm(k)[0]
         if cos_sin is not None:
-            q, k = apply_rotary(positions, q, k, cos_sin)
-        if meta.decode_only:
-            o = decode_attention(q, k, v, kv_cache, meta, self.scale, self.sliding_window)
-            return self.o(o.flatten(1))
-        o = attention(
-            q,
-            k,
-            v,
-            kv_cache,
-            meta.slot_mapping,
-            meta.query_start_loc,
-            meta.seq_lens,
-            meta.block_table,
-            self.scale,
-            self.sliding_window,
-        )
+            q, k = self.kernels.apply_rotary(positions, q, k, cos_sin)
+        o = self.backend.forward(q, k, v, kv_cache, meta, self.scale, self.sliding_window)
         return self.o(o.flatten(1))
 
 
 class GatedMLP(nn.Module):
-    def __init__(self, d: ModelDims) -> None:
+    def __init__(self, d: ModelDims, kernels: Kernels) -> None:
         super().__init__()
+        self.kernels = kernels
         self.gate_up = Linear(d.hidden_size, 2 * d.intermediate_size, bias=d.mlp_bias)
         self.down = Linear(d.intermediate_size, d.hidden_size, bias=d.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down(silu_and_mul(self.gate_up(x)))
+        return self.down(self.kernels.silu_and_mul(self.gate_up(x)))
 
 
 class PlainMLP(nn.Module):
-    def __init__(self, d: ModelDims) -> None:
+    def __init__(self, d: ModelDims, kernels: Kernels) -> None:
         super().__init__()
         self.fc = Linear(d.hidden_size, d.intermediate_size, bias=d.mlp_bias)
         self.proj = Linear(d.intermediate_size, d.hidden_size, bias=d.mlp_bias)
@@ -104,8 +96,9 @@ class PlainMLP(nn.Module):
 
 
 class MoE(nn.Module):
-    def __init__(self, d: ModelDims) -> None:
+    def __init__(self, d: ModelDims, kernels: Kernels) -> None:
         super().__init__()
+        self.kernels = kernels
         self.top_k, self.renormalize = d.experts_per_token, d.moe_renormalize
         self.router = Linear(d.hidden_size, d.num_experts, bias=False)
         self.w13 = _param(d.num_experts, 2 * d.moe_intermediate_size, d.hidden_size)
@@ -115,17 +108,17 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = route(self.router(x), self.top_k, self.renormalize)
         xc = x if self.compute_dtype is None else x.to(self.compute_dtype)
-        return moe_experts(xc, self.w13, self.w2, weights, ids).to(x.dtype)
+        return self.kernels.moe_experts(xc, self.w13, self.w2, weights, ids).to(x.dtype)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, spec: ArchSpec, d: ModelDims, index: int) -> None:
+    def __init__(self, spec: ArchSpec, d: ModelDims, index: int, kernels: Kernels) -> None:
         super().__init__()
-        self.attn_norm = Norm(spec.norm, d.hidden_size, d.norm_eps)
-        self.attn = Attention(d)
-        self.mlp_norm = Norm(spec.norm, d.hidden_size, d.norm_eps)
+        self.attn_norm = Norm(spec.norm, d.hidden_size, d.norm_eps, kernels)
+        self.attn = Attention(d, kernels)
+        self.mlp_norm = Norm(spec.norm, d.hidden_size, d.norm_eps, kernels)
         dense = GatedMLP if spec.mlp == "gated" else PlainMLP
-        self.mlp = MoE(d) if d.is_moe_layer(index) else dense(d)
+        self.mlp = MoE(d, kernels) if d.is_moe_layer(index) else dense(d, kernels)
 
     def forward(
         self,
@@ -143,13 +136,13 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, spec: ArchSpec, d: ModelDims) -> None:
+    def __init__(self, spec: ArchSpec, d: ModelDims, kernels: Kernels = TORCH_KERNELS) -> None:
         super().__init__()
-        self.spec, self.dims = spec, d
+        self.spec, self.dims, self.kernels = spec, d, kernels
         self.embed = nn.Embedding(d.vocab_size, d.hidden_size)
         self.pos_embed = nn.Embedding(d.max_positions, d.hidden_size) if spec.positions == "learned" else None
-        self.layers = nn.ModuleList(DecoderLayer(spec, d, i) for i in range(d.num_layers))
-        self.norm = Norm(spec.norm, d.hidden_size, d.norm_eps)
+        self.layers = nn.ModuleList(DecoderLayer(spec, d, i, kernels) for i in range(d.num_layers))
+        self.norm = Norm(spec.norm, d.hidden_size, d.norm_eps, kernels)
         self.lm_head = None if d.tie_word_embeddings else Linear(d.hidden_size, d.vocab_size, bias=False)
         self.cos_sin: torch.Tensor | None = None
         self.logits_weight: torch.Tensor | None = None
@@ -168,6 +161,14 @@ class DecoderModel(nn.Module):
             for module in self.modules():
                 if isinstance(module, Linear | MoE):
                     module.compute_dtype = torch.float32
+
+    def use_attention(self, backend: AttentionBackend) -> None:
+        for layer in self.layers:
+            layer.attn.backend = backend
+
+    @property
+    def attention(self) -> AttentionBackend:
+        return self.layers[0].attn.backend
 
     def forward(
         self,

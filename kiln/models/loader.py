@@ -14,6 +14,7 @@ from transformers import AutoConfig
 from kiln.models.decoder import DecoderModel
 from kiln.models.registry import spec_for
 from kiln.models.spec import ArchSpec, ModelDims, Shard, expand, ignored, rule_applies
+from kiln.ops.backend import TORCH_KERNELS, Kernels
 
 log = logging.getLogger(__name__)
 
@@ -68,12 +69,14 @@ def safetensors_files(path: Path) -> list[Path]:
     return files
 
 
-def load_model(path: Path, dtype: str = "auto", device: str | torch.device = "cpu") -> DecoderModel:
+def load_model(
+    path: Path, dtype: str = "auto", device: str | torch.device = "cpu", kernels: Kernels = TORCH_KERNELS
+) -> DecoderModel:
     config = load_config(path)
     spec = spec_for(getattr(config, "architectures", None))
     dims = spec.dims(config)
     with torch.device("meta"):
-        model = DecoderModel(spec, dims).to(resolve_dtype(dtype, config))
+        model = DecoderModel(spec, dims, kernels).to(resolve_dtype(dtype, config))
     model.to_empty(device=device)
     load_weights(model, spec, dims, safetensors_files(path))
     model.prepare(dims.max_positions)

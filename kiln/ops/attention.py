@@ -5,7 +5,9 @@ import os
 import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -22,6 +24,74 @@ class AttnMetadata:
     block_table: torch.Tensor  # [B, max_blocks] int32
     # Every request adds one token: attention runs in the model's graph (paged_decode), not as an opaque op.
     decode_only: bool = False
+
+
+@dataclass(slots=True)
+class StepLayout:
+    """The host-side (numpy) copy of a step's batch layout, for backends that plan on the CPU."""
+
+    query_start_loc: np.ndarray  # [B+1]
+    seq_lens: np.ndarray  # [B]
+    block_table: np.ndarray  # [B, width]
+    decode_only: bool
+    graph: bool  # the step replays a captured CUDA graph of batch B
+
+
+class AttentionBackend(Protocol):
+    """Implementations of DESIGN.md's attention seam. `plan` runs once per step, before the forward and
+    outside any graph; `forward` runs once per layer. `traceable`: torch.compile may trace `forward`."""
+
+    traceable: bool
+
+    def plan(self, layout: StepLayout) -> None: ...
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttnMetadata,
+        scale: float,
+        sliding_window: int,
+    ) -> torch.Tensor: ...
+
+
+class TorchAttention:
+    """The reference backend: runs anywhere, and traces into the CPU's compiled layer graphs."""
+
+    traceable = True
+
+    def plan(self, layout: StepLayout) -> None:
+        pass
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttnMetadata,
+        scale: float,
+        sliding_window: int,
+    ) -> torch.Tensor:
+        if meta.decode_only:
+            return decode_attention(q, k, v, kv_cache, meta, scale, sliding_window)
+        return attention(
+            q,
+            k,
+            v,
+            kv_cache,
+            meta.slot_mapping,
+            meta.query_start_loc,
+            meta.seq_lens,
+            meta.block_table,
+            scale,
+            sliding_window,
+        )
+
+
+TORCH_ATTENTION = TorchAttention()
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:

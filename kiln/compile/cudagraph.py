@@ -1,0 +1,64 @@
+"""CUDA graphs for decode steps, one per decode bucket: the whole forward (compiled layers, Triton kernels,
+FlashInfer's run) is recorded once and replayed with the step's inputs copied into static buffers,
+so a decode step costs a few copies and one launch instead of a launch per kernel."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from kiln.ops.attention import AttnMetadata
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class _Graph:
+    graph: torch.cuda.CUDAGraph
+    inputs: list[torch.Tensor]  # the static buffers a replay copies the step's tensors into
+    output: torch.Tensor
+
+
+def _step_tensors(args: tuple[Any, ...]) -> list[torch.Tensor]:
+    input_ids, positions, _, meta = args
+    return [
+        input_ids,
+        positions,
+        meta.slot_mapping,
+        meta.query_start_loc,
+        meta.seq_lens,
+        meta.block_table,
+    ]
+
+
+class CudaGraphs:
+    def __init__(self) -> None:
+        self.captured: dict[int, _Graph] = {}
+        self.pool: Any = None  # one memory pool, shared by every graph (they never run at once)
+
+    def capture(self, batch: int, model: torch.nn.Module, args: tuple[Any, ...]) -> torch.Tensor:
+        """Runs the step once (compiling what it needs), then records it. The runner has already planned
+        the attention backend for this batch, so the recorded kernels read the planned buffers."""
+        kv_caches, meta = args[2], args[3]
+        static = [t.clone() for t in _step_tensors(args)]
+        static_meta = AttnMetadata(*static[2:], decode_only=meta.decode_only)
+        static_args = (static[0], static[1], kv_caches, static_meta)
+        model(*static_args)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            output = model(*static_args)
+        self.pool = graph.pool()
+        self.captured[batch] = _Graph(graph, static, output)
+        log.debug("captured the decode graph of batch %d", batch)
+        return self.replay(batch, args)
+
+    def replay(self, batch: int, args: tuple[Any, ...]) -> torch.Tensor:
+        g = self.captured[batch]
+        for buffer, value in zip(g.inputs, _step_tensors(args), strict=True):
+            buffer.copy_(value, non_blocking=True)
+        g.graph.replay()
+        return g.output

@@ -1,0 +1,86 @@
+"""Which implementation runs each op: the torch references (any device), or Triton kernels and FlashInfer
+(CUDA). `auto` takes the CUDA ones where the device is CUDA and they import; nothing imports FlashInfer
+or Triton on a machine that picks torch."""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from kiln.ops import activation, moe, norm, rotary
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class Kernels:
+    """The ops a decoder layer calls around attention; each Triton kernel has its reference's interface."""
+
+    name: str
+    rms_norm: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+    apply_rotary: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+    silu_and_mul: Callable[[torch.Tensor], torch.Tensor]
+    moe_experts: Callable[..., torch.Tensor]
+
+
+TORCH_KERNELS = Kernels("torch", norm.rms_norm, rotary.apply_rotary, activation.silu_and_mul, moe.moe_experts)
+
+
+def triton_kernels() -> Kernels:
+    from kiln.ops.triton import activation as t_activation
+    from kiln.ops.triton import moe as t_moe
+    from kiln.ops.triton import norm as t_norm
+    from kiln.ops.triton import rotary as t_rotary
+
+    return Kernels(
+        "triton", t_norm.rms_norm, t_rotary.apply_rotary, t_activation.silu_and_mul, t_moe.moe_experts
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class BackendChoice:
+    kernels: str  # "torch" | "triton"
+    attention: str  # "torch" | "flashinfer"
+    sampler: str  # "torch" | "flashinfer"
+
+
+TORCH_BACKEND = BackendChoice("torch", "torch", "torch")
+
+
+def _importable(name: str) -> bool:
+    return importlib.util.find_spec(name) is not None
+
+
+def choose_backend(kernels: str, attention: str, sampler: str, device: torch.device) -> BackendChoice:
+    """Resolves `auto` and checks explicit choices against the device. Triton on a CPU is allowed only
+    under TRITON_INTERPRET=1 (how its kernels are tested without a GPU)."""
+    cuda = device.type == "cuda"
+    interpret = os.environ.get("TRITON_INTERPRET") == "1"
+    has_triton, has_flashinfer = _importable("triton"), cuda and _importable("flashinfer")
+
+    def pick(key: str, value: str, fast: str, available: bool, runs_here: bool) -> str:
+        if value == "auto":
+            return fast if cuda and available else "torch"
+        if value == fast and not runs_here:
+            raise ValueError(f"backend.{key} {fast!r} needs a CUDA device (model.device is {device.type!r})")
+        if value == fast and not available:
+            raise ValueError(f"backend.{key} {fast!r} is not installed: pip install 'kiln[cuda]'")
+        return value
+
+    choice = BackendChoice(
+        kernels=pick("kernels", kernels, "triton", has_triton, cuda or interpret),
+        attention=pick("attention", attention, "flashinfer", has_flashinfer, cuda),
+        sampler=pick("sampler", sampler, "flashinfer", has_flashinfer, cuda),
+    )
+    if cuda and not has_flashinfer and "auto" in (attention, sampler):
+        log.warning("FlashInfer is not installed: attention and sampling use the torch references (slower)")
+    return choice
+
+
+def kernels_for(choice: BackendChoice) -> Kernels:
+    return triton_kernels() if choice.kernels == "triton" else TORCH_KERNELS
