@@ -133,6 +133,7 @@ class LLMEngine:
         with cache.lock():
             loaded = cache.load()
             reports = self.runner.lowering.warmup(self.runner.warm_step, progress)
+            self.runner.warm_sampler()
             if not loaded and any(r.source != "shared" for r in reports):
                 cache.save([r.as_dict() for r in reports])
         self.compile_cache = cache

@@ -18,6 +18,7 @@ from kiln.engine.scheduler import ScheduledBatch
 from kiln.models.decoder import DecoderModel
 from kiln.ops.attention import AttnMetadata, StepLayout
 from kiln.ops.backend import TORCH_BACKEND, BackendChoice
+from kiln.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -189,6 +190,18 @@ class ModelRunner:
         self.seq_lens[:n] = q_lens
         self.block_table[:n] = 0
         self._forward(size, n, bucket.kind == "decode")
+
+    @torch.inference_mode()
+    def warm_sampler(self) -> None:
+        """One draw with every filter on, so FlashInfer's sampling kernels are JIT-built before serving.
+        It draws from its own generator: the engine's stream of random draws is left as it was."""
+        vocab = self.model.dims.vocab_size
+        params = [SamplingParams(temperature=1.0, top_k=5, top_p=0.9, min_p=0.01)] * 2
+        meta = SamplingMetadata.build(params, [[0]] * 2, [[]] * 2, [None] * 2, [[]] * 2, vocab, self.device)
+        throwaway = torch.Generator(device=self.device).manual_seed(0)
+        Sampler(throwaway, self.sampler.prepare, self.sampler.draw)(
+            torch.zeros(2, vocab, device=self.device), meta
+        )
 
     def _prompt_logprobs(
         self,
