@@ -1,0 +1,220 @@
+"""The CUDA backend's benchmark, in one run on one GPU (budgeted for under 10 minutes):
+
+1. device-to-device copy bandwidth, the roofline everything below is a fraction of;
+2. batch-1 decode on a Llama-3-8B-shaped model (random bf16 weights): tokens/s, and the bandwidth it
+   achieves, (weight bytes read per step + KV bytes read per step) x steps/s, as a fraction of (1);
+3. throughput on nano-vllm's workload: 256 sequences, input and output lengths uniform in [100, 1024],
+   ignore_eos, on a Qwen3-0.6B-shaped model;
+4. (2) and (3) on transformers' generate with its static cache and torch.compile, in the same run.
+
+    python perf/gpu_bench.py --out results.json [--skip-hf] [--skip-8b]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import platform
+import random
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import transformers
+from tokenizers import Tokenizer, models, pre_tokenizers
+
+from kiln import LLM, SamplingParams
+
+log = logging.getLogger("gpu_bench")
+
+LLAMA3_8B = dict(
+    hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+    num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192, rope_theta=500000.0,
+    tie_word_embeddings=False,
+)  # fmt: skip
+QWEN3_06B = dict(
+    hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
+    num_key_value_heads=8, head_dim=128, vocab_size=151936, max_position_embeddings=40960,
+    rope_theta=1000000.0, tie_word_embeddings=True,
+)  # fmt: skip
+
+
+def copy_bandwidth(gib: float = 2.0, iters: int = 20) -> float:
+    """Bytes moved per second by a device-to-device copy (read + write)."""
+    src = torch.empty(int(gib * 2**30), dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        dst.copy_(src)
+    end.record()
+    torch.cuda.synchronize()
+    return 2 * src.numel() * iters / (start.elapsed_time(end) / 1e3)
+
+
+def random_model(config_cls: str, dims: dict, path: Path) -> torch.nn.Module:
+    """A seeded random bf16 model on the GPU, saved as safetensors (with a word-level tokenizer over its
+    whole vocabulary) so kiln loads exactly the weights transformers runs."""
+    config = getattr(transformers, config_cls)(**dims, bos_token_id=None, eos_token_id=None)
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0.0, 0.02)
+            else:
+                p.fill_(1.0)  # norm weights
+    model.save_pretrained(path)
+    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(dims["vocab_size"])}, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0").save_pretrained(path)
+    return model.eval()
+
+
+def step_bytes(model: torch.nn.Module, context: float) -> float:
+    """What one batch-1 decode step must read: every weight but the input embedding table (one row of
+    it), plus the KV cache of the context."""
+    c = model.config
+    weights = sum(
+        p.numel() * p.element_size() for n, p in model.named_parameters() if "embed_tokens" not in n
+    )
+    if c.tie_word_embeddings:
+        weights += model.get_input_embeddings().weight.numel() * 2
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    kv_per_token = c.num_hidden_layers * 2 * c.num_key_value_heads * head_dim * 2
+    return weights + kv_per_token * context
+
+
+def kiln_batch1(path: Path, prompt_len: int, new_tokens: int) -> float:
+    """Decode tokens/s after the first token, through the engine's step loop."""
+    llm = LLM(str(path), dtype="bfloat16", device="cuda", kv_cache_gib=4, max_model_len=4096, max_num_seqs=8)
+    engine = llm.engine
+    params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
+    rng = random.Random(0)
+    prompt = [rng.randrange(100, 10000) for _ in range(prompt_len)]
+    for attempt in range(2):  # the first pass warms every path the second one times
+        engine.add_request(f"b1-{attempt}", prompt, params)
+        engine.step()  # prefill and the first token
+        torch.cuda.synchronize()
+        clock = time.perf_counter()
+        while engine.has_unfinished():
+            engine.step()
+        seconds = time.perf_counter() - clock
+    return (new_tokens - 1) / seconds
+
+
+def hf_batch1(model: torch.nn.Module, prompt_len: int, new_tokens: int) -> float:
+    model.generation_config.cache_implementation = "static"
+    model.forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
+    ids = torch.randint(100, 10000, (1, prompt_len), device="cuda")
+
+    def run(n: int) -> float:
+        torch.cuda.synchronize()
+        clock = time.perf_counter()
+        model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False)
+        torch.cuda.synchronize()
+        return time.perf_counter() - clock
+
+    run(new_tokens), run(1)  # compile both shapes
+    return (new_tokens - 1) / (run(new_tokens) - run(1))
+
+
+def workload(n: int = 256, seed: int = 0) -> list[tuple[list[int], int]]:
+    rng = random.Random(seed)
+    return [
+        ([rng.randrange(100, 10000) for _ in range(rng.randint(100, 1024))], rng.randint(100, 1024))
+        for _ in range(n)
+    ]
+
+
+def kiln_throughput(path: Path, work: list[tuple[list[int], int]]) -> float:
+    llm = LLM(str(path), dtype="bfloat16", device="cuda", kv_cache_gib=40, max_model_len=2048,
+              max_num_seqs=256, max_num_batched_tokens=16384)  # fmt: skip
+    params = [SamplingParams(temperature=0, max_tokens=o, ignore_eos=True) for _, o in work]
+    llm.generate([p for p, _ in work[:8]], params[:8], use_tqdm=False)  # warm
+    torch.cuda.synchronize()
+    clock = time.perf_counter()
+    out = llm.generate([p for p, _ in work], params, use_tqdm=True)
+    seconds = time.perf_counter() - clock
+    return sum(len(o.outputs[0].token_ids) for o in out) / seconds
+
+
+def hf_throughput(model: torch.nn.Module, work: list[tuple[list[int], int]], batch: int = 64) -> float:
+    """Batches of 64, left-padded to 1024 prompt tokens and run to 1024 new ones (fixed shapes, so the
+    compiled static-cache graphs are reused); only each request's own output length counts."""
+    model.generation_config.cache_implementation = "static"
+    wanted = sum(o for _, o in work)
+    torch.cuda.synchronize()
+    clock = time.perf_counter()
+    for i in range(0, len(work), batch):
+        chunk = work[i : i + batch]
+        ids = torch.zeros(len(chunk), 1024, dtype=torch.long, device="cuda")
+        mask = torch.zeros_like(ids)
+        for row, (p, _) in enumerate(chunk):
+            ids[row, -len(p) :] = torch.tensor(p)
+            mask[row, -len(p) :] = 1
+        model.generate(ids, attention_mask=mask, max_new_tokens=1024, min_new_tokens=1024, do_sample=False,
+                       pad_token_id=0)  # fmt: skip
+    torch.cuda.synchronize()
+    return wanted / (time.perf_counter() - clock)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--skip-hf", action="store_true", help="kiln only")
+    parser.add_argument("--skip-8b", action="store_true", help="no Llama-3-8B-shaped batch-1 run")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    result: dict = {
+        "gpu": torch.cuda.get_device_name(),
+        "date": time.strftime("%Y-%m-%d"),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "host": platform.node(),
+    }
+    result["copy_bandwidth_gbs"] = copy_bandwidth() / 1e9
+    log.info("copy bandwidth %.0f GB/s", result["copy_bandwidth_gbs"])
+    with tempfile.TemporaryDirectory() as tmp:
+        if not args.skip_8b:
+            path = Path(tmp) / "llama3-8b"
+            model = random_model("LlamaConfig", LLAMA3_8B, path)
+            prompt_len, new = 128, 256
+            per_step = step_bytes(model, prompt_len + new / 2)
+            tps = kiln_batch1(path, prompt_len, new)
+            result["batch1_kiln_tok_s"] = tps
+            result["batch1_kiln_bandwidth_fraction"] = per_step * tps / (result["copy_bandwidth_gbs"] * 1e9)
+            log.info("kiln batch-1: %.1f tok/s, %.1f%% of copy bandwidth", tps,
+                     100 * result["batch1_kiln_bandwidth_fraction"])  # fmt: skip
+            if not args.skip_hf:
+                hf = hf_batch1(model, prompt_len, new)
+                result["batch1_hf_tok_s"] = hf
+                result["batch1_ratio"] = tps / hf
+                log.info("transformers batch-1: %.1f tok/s (kiln %.2fx)", hf, tps / hf)
+            del model
+            torch.cuda.empty_cache()
+        path = Path(tmp) / "qwen3-0.6b"
+        model = random_model("Qwen3Config", QWEN3_06B, path)
+        work = workload()
+        result["throughput_kiln_tok_s"] = kiln_throughput(path, work)
+        log.info("kiln throughput: %.0f output tok/s", result["throughput_kiln_tok_s"])
+        if not args.skip_hf:
+            hf = hf_throughput(model, work)
+            result["throughput_hf_tok_s"] = hf
+            result["throughput_ratio"] = result["throughput_kiln_tok_s"] / hf
+            log.info(
+                "transformers throughput: %.0f output tok/s (kiln %.2fx)", hf, result["throughput_ratio"]
+            )
+    args.out.write_text(json.dumps(result, indent=2))
+    log.info("results: %s\n%s", args.out, json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()
