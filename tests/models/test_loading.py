@@ -91,6 +91,8 @@ def test_missing_model_folder(tmp_path: Path) -> None:
         load_model(tmp_path)
 
 
-def test_unbuilt_compile_mode_says_so(llama: Path) -> None:
-    with pytest.raises(ValueError, match="compile mode 'cudagraph' needs the CUDA backend"):
+def test_cudagraph_mode_on_a_cpu_says_it_needs_cuda(llama: Path) -> None:
+    with pytest.raises(
+        ValueError, match="compile mode 'cudagraph' needs a CUDA device; use 'compiled' or 'eager'"
+    ):
         LLM(str(llama), mode="cudagraph")
