@@ -19,17 +19,18 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 def _grouped_gemm(
     a_ptr, b_ptr, c_ptr, weight_ptr, sorted_ptr, expert_ptr, padded_ptr,
     num_pairs, n, k, a_row, b_expert, b_row, c_row,
-    A_PER_PAIR: tl.constexpr, MUL_WEIGHT: tl.constexpr, TOP_K: tl.constexpr, UPCAST: tl.constexpr,
+    SECOND: tl.constexpr, TOP_K: tl.constexpr, UPCAST: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     """C[pair] = A[row of pair] @ B[expert]^T (times the pair's routing weight), for one block of pairs.
-    B is [E, N, K] (nn.Linear's layout); A's row is the pair's token, or the pair itself (A_PER_PAIR)."""
+    B is [E, N, K] (nn.Linear's layout). The first GEMM reads the pair's token row of x; the SECOND reads
+    the pair's own row of h and applies the routing weight."""
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     if pid_m * BLOCK_M >= tl.load(padded_ptr):
         return
     pairs = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     valid = pairs < num_pairs
-    rows = pairs if A_PER_PAIR else pairs // TOP_K
+    rows = pairs if SECOND else pairs // TOP_K
     expert = tl.load(expert_ptr + pid_m).to(tl.int64)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     inner = tl.arange(0, BLOCK_K)
@@ -48,7 +49,7 @@ def _grouped_gemm(
             acc += tl.dot(a.to(tl.float32), b.to(tl.float32))
         else:
             acc += tl.dot(a, b.to(a.dtype))
-    if MUL_WEIGHT:
+    if SECOND:
         acc = acc.to(c_ptr.dtype.element_ty).to(tl.float32)  # the reference rounds the GEMM first
         acc *= tl.load(weight_ptr + pairs, mask=valid, other=0.0).to(tl.float32)[:, None]
     tl.store(c_ptr + pairs[:, None] * c_row + cols[None, :], acc, mask=valid[:, None] & (cols[None, :] < n))
@@ -88,7 +89,7 @@ def _gemm(
     wrap_triton(_grouped_gemm)[(block_expert.numel(), triton.cdiv(n, block_n))](
         a, w, out, pair_weights, sorted_pairs, block_expert, padded,
         pair_weights.numel(), n, k, a.stride(0), w.stride(0), w.stride(1), out.stride(0),
-        A_PER_PAIR=second, MUL_WEIGHT=second, TOP_K=top_k, UPCAST=_INTERPRET,
+        SECOND=second, TOP_K=top_k, UPCAST=_INTERPRET,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
     )  # fmt: skip
 
