@@ -20,14 +20,16 @@ class ModelConfig(_Section):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     max_model_len: Annotated[int, Meta(ge=2)] | None = None  # defaults to the model's max_position_embeddings
     seed: int = 0
-    device: str = "cpu"
+    device: str = "auto"  # auto: the GPU where there is one, else the CPU
 
 
 class CacheConfig(_Section):
     block_size: Annotated[int, Meta(ge=1)] = 16
-    kv_cache_gib: Annotated[float, Meta(gt=0)] = 1.0
+    # null: on a GPU, sized from gpu_memory_utilization; on a CPU, 1 GiB. Set, it wins over both.
+    kv_cache_gib: Annotated[float, Meta(gt=0)] | None = None
     enable_prefix_caching: bool = True
-    # vLLM sizes the KV cache from free GPU memory; kiln has no CUDA memory profiler yet: setting it errors.
+    # The share of the GPU's memory kiln may use (null: 0.9, as vLLM); the KV cache gets what the weights,
+    # the largest step and the CUDA graphs leave of it.
     gpu_memory_utilization: Annotated[float, Meta(gt=0, le=1)] | None = None
 
 
@@ -69,11 +71,6 @@ class EngineConfig(_Section):
         """Knobs kept for vLLM compatibility but not built yet fail loudly rather than being ignored."""
         if self.parallel.tensor_parallel_size != 1:
             raise ValueError("tensor_parallel_size > 1 is not supported yet: kiln runs on one device")
-        if self.cache.gpu_memory_utilization is not None:
-            raise ValueError(
-                "gpu_memory_utilization is not supported yet (kiln has no CUDA memory profiler); "
-                "size the KV cache with cache.kv_cache_gib"
-            )
 
     @classmethod
     def from_options(cls, model: str = "default", **options: Any) -> EngineConfig:

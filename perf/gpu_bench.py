@@ -1,26 +1,38 @@
-"""The CUDA backend's benchmark, in one run on one GPU (budgeted for under 10 minutes):
+"""The CUDA backend's benchmark on one GPU, by phase (each fits in a 10-minute run; several phases in
+one invocation share the random model folders):
 
-1. device-to-device copy bandwidth, the roofline everything below is a fraction of;
-2. batch-1 decode on a Llama-3-8B-shaped model (random bf16 weights): tokens/s, and the bandwidth it
-   achieves, (weight bytes read per step + KV bytes read per step) x steps/s, as a fraction of (1);
-3. throughput on nano-vllm's workload: 256 sequences, input and output lengths uniform in [100, 1024],
-   ignore_eos, on a Qwen3-0.6B-shaped model;
-4. (2) and (3) on transformers' generate with its static cache and torch.compile, in the same run.
+- copy: device-to-device copy bandwidth, the roofline batch-1 decode is a fraction of;
+- batch1: batch-1 decode on a Llama-3-8B-shaped model (random bf16 weights): tokens/s, and the bandwidth
+  it achieves, (weight bytes + KV bytes read per step) x steps/s, as a fraction of copy's;
+- throughput: nano-vllm's workload (256 sequences, input and output lengths uniform in [100, 1024],
+  ignore_eos) on a Qwen3-0.6B-shaped model;
+- startup: `kiln serve` on the Llama-3-8B shape, time to ready cold (an empty KILN_CACHE_DIR) and warm
+  (the cache the cold start left), each with its first request's TTFT;
+- each phase but copy also runs transformers (static cache + torch.compile) in the same run, unless
+  --skip-hf.
 
-    python perf/gpu_bench.py --out results.json [--skip-hf] [--skip-8b]
+    python perf/gpu_bench.py --out results.json --phases copy batch1 throughput startup [--skip-hf]
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import logging
+import os
 import platform
 import random
+import shutil
+import signal
+import socket
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
 
+import httpx
 import torch
 import transformers
 from tokenizers import Tokenizer, models, pre_tokenizers
@@ -28,6 +40,8 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from kiln import LLM, SamplingParams
 
 log = logging.getLogger("gpu_bench")
+
+PHASES = ("copy", "batch1", "throughput", "startup")
 
 LLAMA3_8B = dict(
     hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
@@ -94,6 +108,7 @@ def kiln_batch1(path: Path, prompt_len: int, new_tokens: int) -> float:
     """Decode tokens/s after the first token, through the engine's step loop."""
     llm = LLM(str(path), dtype="bfloat16", device="cuda", kv_cache_gib=4, max_model_len=4096, max_num_seqs=8)
     engine = llm.engine
+    log.info("kiln start-up (s): %s", {k: round(v, 2) for k, v in engine.timings.items()})
     params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
     rng = random.Random(0)
     prompt = [rng.randrange(100, 10000) for _ in range(prompt_len)]
@@ -109,8 +124,8 @@ def kiln_batch1(path: Path, prompt_len: int, new_tokens: int) -> float:
 
 
 def hf_batch1(model: torch.nn.Module, prompt_len: int, new_tokens: int) -> float:
+    # A static cache makes generate compile the forward itself (transformers' auto-compile, CUDA graphs).
     model.generation_config.cache_implementation = "static"
-    model.forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
     ids = torch.randint(100, 10000, (1, prompt_len), device="cuda")
 
     def run(n: int) -> float:
@@ -135,6 +150,7 @@ def workload(n: int = 256, seed: int = 0) -> list[tuple[list[int], int]]:
 def kiln_throughput(path: Path, work: list[tuple[list[int], int]]) -> float:
     llm = LLM(str(path), dtype="bfloat16", device="cuda", kv_cache_gib=40, max_model_len=2048,
               max_num_seqs=256, max_num_batched_tokens=16384)  # fmt: skip
+    log.info("kiln start-up (s): %s", {k: round(v, 2) for k, v in llm.engine.timings.items()})
     params = [SamplingParams(temperature=0, max_tokens=o, ignore_eos=True) for _, o in work]
     llm.generate([p for p, _ in work[:8]], params[:8], use_tqdm=False)  # warm
     torch.cuda.synchronize()
@@ -164,13 +180,147 @@ def hf_throughput(model: torch.nn.Module, work: list[tuple[list[int], int]], bat
     return wanted / (time.perf_counter() - clock)
 
 
+def serve_start(path: Path, cache_dir: Path, log_path: Path) -> dict[str, float]:
+    """`kiln serve` in a fresh process: seconds until /health answers 200, then one streamed request's
+    time to first token, then SIGTERM."""
+    env = {**os.environ, "KILN_CACHE_DIR": str(cache_dir)}
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    url = f"http://127.0.0.1:{port}"
+    cmd = [
+        sys.executable,
+        "-m",
+        "kiln",
+        "serve",
+        "--model",
+        str(path),
+        "--port",
+        str(port),
+        "--max-model-len",
+        "4096",
+    ]
+    clock = time.perf_counter()
+    with log_path.open("ab") as out:
+        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"kiln serve exited with {proc.returncode}; see {log_path}")
+            try:
+                if httpx.get(f"{url}/health", timeout=5).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            time.sleep(0.05)
+        ready = time.perf_counter() - clock
+        body = {"model": str(path), "prompt": list(range(100, 228)), "max_tokens": 16, "stream": True}
+        clock = time.perf_counter()
+        ttft = None
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=600) as reply:
+            for line in reply.iter_lines():
+                if line.startswith("data: ") and ttft is None:
+                    ttft = time.perf_counter() - clock
+        return {"ready_s": ready, "ttft_s": ttft if ttft is not None else float("nan")}
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+HF_START = """
+import sys, time, torch, transformers
+clock = time.perf_counter()
+load = transformers.AutoModelForCausalLM.from_pretrained
+model = load(sys.argv[1], dtype=torch.bfloat16, device_map="cuda")
+model.generation_config.cache_implementation = "static"  # generate then compiles the forward itself
+ids = torch.arange(100, 228, device="cuda")[None]
+model.generate(ids, max_new_tokens=2, min_new_tokens=2, do_sample=False)
+torch.cuda.synchronize()
+print(time.perf_counter() - clock)
+"""
+
+
+def hf_start(path: Path) -> float:
+    """transformers in a fresh process: load, compile, and the first tokens (its time to serve)."""
+    clock = time.perf_counter()
+    subprocess.run([sys.executable, "-c", HF_START, str(path)], check=True, capture_output=True)
+    return time.perf_counter() - clock
+
+
+def save(result: dict) -> None:
+    """After every measurement: a run cut short still reports what it measured."""
+    Path(result["out"]).write_text(json.dumps(result, indent=2))
+
+
+def free_gpu() -> None:
+    gc.collect()  # an engine's reference cycles (CUDA graphs, wrappers) hold its memory until collected
+    torch.cuda.empty_cache()
+
+
+def batch1_phase(path: Path, result: dict, skip_hf: bool) -> None:
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, device_map="cuda")
+    prompt_len, new = 128, 256
+    per_step = step_bytes(model, prompt_len + new / 2)
+    tps = kiln_batch1(path, prompt_len, new)
+    result["batch1_kiln_tok_s"] = tps
+    result["batch1_kiln_bandwidth_fraction"] = per_step * tps / (result["copy_bandwidth_gbs"] * 1e9)
+    log.info(
+        "kiln batch-1: %.1f tok/s, %.1f%% of copy bandwidth",
+        tps,
+        100 * result["batch1_kiln_bandwidth_fraction"],
+    )
+    save(result)
+    if not skip_hf:
+        hf = hf_batch1(model, prompt_len, new)
+        result["batch1_hf_tok_s"] = hf
+        result["batch1_ratio"] = tps / hf
+        log.info("transformers batch-1: %.1f tok/s (kiln %.2fx)", hf, tps / hf)
+    del model
+    free_gpu()
+
+
+def throughput_phase(path: Path, result: dict, skip_hf: bool) -> None:
+    model = random_model("Qwen3Config", QWEN3_06B, path)
+    work = workload()
+    result["throughput_kiln_tok_s"] = kiln_throughput(path, work)
+    log.info("kiln throughput: %.0f output tok/s", result["throughput_kiln_tok_s"])
+    save(result)
+    free_gpu()
+    if not skip_hf:
+        hf = hf_throughput(model, work)
+        result["throughput_hf_tok_s"] = hf
+        result["throughput_ratio"] = result["throughput_kiln_tok_s"] / hf
+        log.info("transformers throughput: %.0f output tok/s (kiln %.2fx)", hf, result["throughput_ratio"])
+    del model
+    free_gpu()
+
+
+def startup_phase(path: Path, cache: Path, out: Path, result: dict, skip_hf: bool) -> None:
+    """Cold: an empty compile cache, but FlashInfer's kernels built (as a pip-installed jit-cache would
+    have them); warm: the cache the cold start left."""
+    jit = Path(os.environ.get("KILN_CACHE_DIR", Path.home() / ".cache" / "kiln")) / "flashinfer"
+    if jit.is_dir():
+        shutil.copytree(jit, cache / "flashinfer", symlinks=True)
+    for start in ("cold", "warm"):
+        got = serve_start(path, cache, out.with_suffix(".serve.log"))
+        result[f"startup_{start}_ready_s"], result[f"startup_{start}_ttft_s"] = got["ready_s"], got["ttft_s"]
+        log.info("kiln serve %s: ready in %.1f s, first request's TTFT %.3f s", start, *got.values())
+        save(result)
+    if not skip_hf:
+        result["startup_hf_s"] = hf_start(path)
+        log.info("transformers: load, compile and first tokens in %.1f s", result["startup_hf_s"])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--phases", nargs="+", choices=PHASES, default=list(PHASES))
     parser.add_argument("--skip-hf", action="store_true", help="kiln only")
-    parser.add_argument("--skip-8b", action="store_true", help="no Llama-3-8B-shaped batch-1 run")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     result: dict = {
@@ -179,40 +329,26 @@ def main() -> None:
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "host": platform.node(),
+        "phases": args.phases,
+        "out": str(args.out),
     }
+
     result["copy_bandwidth_gbs"] = copy_bandwidth() / 1e9
     log.info("copy bandwidth %.0f GB/s", result["copy_bandwidth_gbs"])
+    save(result)
     with tempfile.TemporaryDirectory() as tmp:
-        if not args.skip_8b:
-            path = Path(tmp) / "llama3-8b"
-            model = random_model("LlamaConfig", LLAMA3_8B, path)
-            prompt_len, new = 128, 256
-            per_step = step_bytes(model, prompt_len + new / 2)
-            tps = kiln_batch1(path, prompt_len, new)
-            result["batch1_kiln_tok_s"] = tps
-            result["batch1_kiln_bandwidth_fraction"] = per_step * tps / (result["copy_bandwidth_gbs"] * 1e9)
-            log.info("kiln batch-1: %.1f tok/s, %.1f%% of copy bandwidth", tps,
-                     100 * result["batch1_kiln_bandwidth_fraction"])  # fmt: skip
-            if not args.skip_hf:
-                hf = hf_batch1(model, prompt_len, new)
-                result["batch1_hf_tok_s"] = hf
-                result["batch1_ratio"] = tps / hf
-                log.info("transformers batch-1: %.1f tok/s (kiln %.2fx)", hf, tps / hf)
-            del model
-            torch.cuda.empty_cache()
-        path = Path(tmp) / "qwen3-0.6b"
-        model = random_model("Qwen3Config", QWEN3_06B, path)
-        work = workload()
-        result["throughput_kiln_tok_s"] = kiln_throughput(path, work)
-        log.info("kiln throughput: %.0f output tok/s", result["throughput_kiln_tok_s"])
-        if not args.skip_hf:
-            hf = hf_throughput(model, work)
-            result["throughput_hf_tok_s"] = hf
-            result["throughput_ratio"] = result["throughput_kiln_tok_s"] / hf
-            log.info(
-                "transformers throughput: %.0f output tok/s (kiln %.2fx)", hf, result["throughput_ratio"]
-            )
-    args.out.write_text(json.dumps(result, indent=2))
+        llama = Path(tmp) / "llama3-8b"
+        if "batch1" in args.phases or "startup" in args.phases:
+            random_model("LlamaConfig", LLAMA3_8B, llama)  # the folder; each phase loads what it runs
+            free_gpu()
+        for phase in args.phases:
+            if phase == "batch1":
+                batch1_phase(llama, result, args.skip_hf)
+            elif phase == "throughput":
+                throughput_phase(Path(tmp) / "qwen3-0.6b", result, args.skip_hf)
+            elif phase == "startup":
+                startup_phase(llama, Path(tmp) / "kiln-cache", args.out, result, args.skip_hf)
+            save(result)
     log.info("results: %s\n%s", args.out, json.dumps(result, indent=2))
 
 

@@ -55,7 +55,7 @@ def test_missing_file() -> None:
     "flags, message",
     [
         (["--tensor-parallel-size", "2"], "tensor_parallel_size > 1 is not supported yet"),
-        (["--gpu-memory-utilization", "0.9"], "gpu_memory_utilization is not supported yet"),
+        (["--gpu-memory-utilization", "1.5"], "key 'cache.gpu_memory_utilization': Expected `float` <= 1"),
         (["--max-num-seqs", "0"], "key 'scheduler.max_num_seqs': Expected `int` >= 1"),
         (["--model", "/no/such/folder"], "model folder '/no/such/folder' does not exist"),
     ],

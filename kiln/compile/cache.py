@@ -46,6 +46,7 @@ def point_caches(root: Path) -> None:
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(root / "inductor")
     os.environ["TRITON_CACHE_DIR"] = str(root / "triton")
     os.environ["FLASHINFER_WORKSPACE_BASE"] = str(root / "flashinfer")  # JIT builds land in .cache/flashinfer
+    os.environ["TVM_FFI_CACHE_DIR"] = str(root / "tvm-ffi")  # FlashInfer's FFI may build a torch add-on
 
 
 def key_parts(model: torch.nn.Module, dtype: torch.dtype, device: torch.device, options: dict) -> dict:

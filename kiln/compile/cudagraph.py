@@ -5,6 +5,7 @@ so a decode step costs a few copies and one launch instead of a launch per kerne
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,6 +39,7 @@ class CudaGraphs:
     def __init__(self) -> None:
         self.captured: dict[int, _Graph] = {}
         self.pool: Any = None  # one memory pool, shared by every graph (they never run at once)
+        self.seconds = 0.0  # spent recording, beyond the warm-up run that compiles
 
     def capture(self, batch: int, model: torch.nn.Module, args: tuple[Any, ...]) -> torch.Tensor:
         """Runs the step once (compiling what it needs), then records it. The runner has already planned
@@ -48,10 +50,12 @@ class CudaGraphs:
         static_args = (static[0], static[1], kv_caches, static_meta)
         model(*static_args)
         torch.cuda.synchronize()
+        clock = time.perf_counter()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
             output = model(*static_args)
         self.pool = graph.pool()
+        self.seconds += time.perf_counter() - clock
         self.captured[batch] = _Graph(graph, static, output)
         log.debug("captured the decode graph of batch %d", batch)
         return self.replay(batch, args)

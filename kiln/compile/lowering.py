@@ -43,9 +43,12 @@ class BucketReport:
 
 
 def compile_counters() -> dict[str, int]:
-    """torch's own cache statistics for this process: Inductor's FX-graph cache and AOTAutograd's."""
+    """torch's own counters for this process: frames dynamo converted and graphs it produced, Inductor's
+    FX-graph cache and AOTAutograd's. Unchanged across a workload means nothing was compiled during it."""
     inductor, aot = counters["inductor"], counters["aot_autograd"]
     return {
+        "dynamo_frames": counters["frames"]["total"],
+        "dynamo_graphs": counters["stats"]["unique_graphs"],
         "fxgraph_cache_miss": inductor["fxgraph_cache_miss"],
         "fxgraph_cache_hit": inductor["fxgraph_cache_hit"],
         "autograd_cache_miss": aot["autograd_cache_miss"],
@@ -74,11 +77,11 @@ class Lowering:
             # graphs never mix with another model's in the same process (see __call__'s guard skipping).
             fn = _layer_forward
             own = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__)
-            # An opaque attention backend (FlashInfer) splits each layer into two graphs around it.
-            step = torch.compile(own, dynamic=False, fullgraph=model.attention.traceable)
+            step = torch.compile(own, dynamic=False, fullgraph=True)
             for layer in model.layers:
                 layer.forward = functools.partial(_marked_layer, step, layer)
         self.ready = False
+        self.misses = 0  # steps after ready that matched no warmed graph (each ran eagerly, never compiled)
         self._warned_outside = False
         self._skip_guards = True
 
@@ -136,6 +139,7 @@ class Lowering:
                 if "skip_guard_eval_unsafe" not in str(e):
                     raise
                 log.warning("a step matched no warmed graph; checking every guard from now on: %s", e)
+                self.misses += 1
                 self._skip_guards = False
         with torch.compiler.set_stance("eager_on_recompile"):
             return self.model(*args)

@@ -17,11 +17,12 @@ from kiln.compile.lowering import BucketReport
 from kiln.config import EngineConfig
 from kiln.engine.block_manager import BlockManager
 from kiln.engine.detokenizer import IncrementalDetokenizer, find_stop
+from kiln.engine.memory import profile_memory
 from kiln.engine.outputs import CompletionOutput, RequestOutput
 from kiln.engine.request import Logprob, PositionLogprobs, Request
 from kiln.engine.runner import ModelRunner, StepResult, kv_block_bytes
 from kiln.engine.scheduler import Scheduler
-from kiln.models.loader import load_model
+from kiln.models.loader import inspect_model, load_model
 from kiln.ops.backend import choose_backend, kernels_for
 from kiln.paths import cache_root
 from kiln.sampling_params import SamplingParams
@@ -29,6 +30,8 @@ from kiln.sampling_params import SamplingParams
 log = logging.getLogger(__name__)
 
 MAX_LOGPROBS = 20  # vLLM's default cap on logprobs and prompt_logprobs
+CPU_KV_CACHE_GIB = 1.0
+DEFAULT_GPU_MEMORY_UTILIZATION = 0.9  # vLLM's
 
 
 def resolve_model(model: str) -> Path:
@@ -40,6 +43,13 @@ def resolve_model(model: str) -> Path:
     if not path.is_dir():
         raise FileNotFoundError(f"model folder {model!r} does not exist (kiln never downloads from a hub)")
     return path
+
+
+def resolve_device(device: str) -> torch.device:
+    """`auto` is the GPU where there is one (as vLLM), else the CPU."""
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
 
 
 def _visible_text(req: Request) -> str:
@@ -70,10 +80,11 @@ class LLMEngine:
         self.config = config
         clock = time.perf_counter()
         path = resolve_model(config.model.model)
-        device = torch.device(config.model.device)
+        device = resolve_device(config.model.device)
         point_caches(cache_root())
         b = config.backend
-        self.backend = choose_backend(b.kernels, b.attention, b.sampler, device)
+        _, dims, dtype = inspect_model(path, config.model.dtype)
+        self.backend = choose_backend(b.kernels, b.attention, b.sampler, device, dims.head_dim, dtype)
         self.model = load_model(path, config.model.dtype, device, kernels_for(self.backend))
         self.timings = {"weights": time.perf_counter() - clock}
         clock = time.perf_counter()
@@ -88,38 +99,66 @@ class LLMEngine:
                 f"max_model_len {self.max_model_len} exceeds the model's max_position_embeddings "
                 f"{dims.max_positions}"
             )
-        block_size = config.cache.block_size
-        block_bytes = kv_block_bytes(self.model, block_size, self.model.embed.weight.dtype)
-        num_blocks = int(config.cache.kv_cache_gib * 2**30) // block_bytes - 1  # one is the padding block
-        if num_blocks * block_size < self.max_model_len:
-            raise ValueError(
-                f"cache.kv_cache_gib={config.cache.kv_cache_gib} holds {num_blocks * block_size} tokens, "
-                f"fewer than max_model_len={self.max_model_len}; raise kv_cache_gib or lower max_model_len"
-            )
-        self.block_manager = BlockManager(num_blocks, block_size, config.cache.enable_prefix_caching)
+        self.runner = ModelRunner(self.model, config, self.max_model_len, self.backend)
+        self.timings["KV cache"] = time.perf_counter() - clock
+        num_blocks = self._num_blocks(config, device)
+        clock = time.perf_counter()
+        self.runner.allocate_kv(num_blocks)
+        self.block_manager = BlockManager(
+            num_blocks, config.cache.block_size, config.cache.enable_prefix_caching
+        )
         self.scheduler = Scheduler(config.scheduler, self.block_manager)
-        self.runner = ModelRunner(self.model, config, num_blocks, self.max_model_len, self.backend)
         self.eos_token_ids = self._eos_ids(path)
         self.parents: dict[str, _Parent] = {}
-        self.timings["kv_cache"] = time.perf_counter() - clock
+        self.timings["KV cache"] += time.perf_counter() - clock
         log.info(
             "engine ready: %s (%s), %d KV blocks of %d tokens, max_model_len %d; kernels %s, attention %s, "
             "sampler %s",
             self.model.spec.name,
             self.model.embed.weight.dtype,
             num_blocks,
-            block_size,
+            config.cache.block_size,
             self.max_model_len,
             self.backend.kernels,
             self.backend.attention,
             self.backend.sampler,
         )
 
+    def _num_blocks(self, config: EngineConfig, device: torch.device) -> int:
+        """From cache.kv_cache_gib where set; on a GPU otherwise from gpu_memory_utilization (default 0.9)
+        and a profile of the largest step; on a CPU otherwise 1 GiB."""
+        c = config.cache
+        block_bytes = kv_block_bytes(self.model, c.block_size, self.runner.dtype)
+        if c.kv_cache_gib is not None or device.type != "cuda":
+            if c.gpu_memory_utilization is not None:
+                why = "cache.kv_cache_gib is set" if c.kv_cache_gib is not None else "the device is not a GPU"
+                log.warning("cache.gpu_memory_utilization is not used: %s", why)
+            gib = c.kv_cache_gib if c.kv_cache_gib is not None else CPU_KV_CACHE_GIB
+            source = f"cache.kv_cache_gib={gib}"
+            kv_bytes = int(gib * 2**30)
+        else:
+            clock = time.perf_counter()
+            utilization = c.gpu_memory_utilization or DEFAULT_GPU_MEMORY_UTILIZATION
+            graphs = self.runner.lowering.graphs is not None
+            max_tokens = config.scheduler.max_num_batched_tokens
+            kv_bytes = profile_memory(self.runner, utilization, max_tokens, graphs).kv_bytes
+            source = f"cache.gpu_memory_utilization={utilization}"
+            self.timings["memory profile"] = time.perf_counter() - clock
+        num_blocks = kv_bytes // block_bytes - 1  # one is the padding block
+        if num_blocks * c.block_size < self.max_model_len:
+            raise ValueError(
+                f"{source} leaves a KV cache of {max(0, num_blocks) * c.block_size} tokens, fewer than "
+                f"max_model_len={self.max_model_len}; give the cache more memory or lower max_model_len"
+            )
+        return num_blocks
+
     def warmup(self, progress: bool = False) -> list[BucketReport]:
         """Builds every graph before the first request, through the compile cache: a complete entry is
         loaded first, so Inductor finds each graph instead of compiling it; a missing or corrupt one is
         (re)built and saved. The per-key lock makes concurrent warmups of one key take turns."""
         clock = time.perf_counter()
+        cuda = self.runner.device.type == "cuda"
+        reserved = torch.cuda.memory_reserved(self.runner.device) / 2**30 if cuda else 0.0
         compile_config = self.config.compile
         options = {
             "mode": self.runner.lowering.mode,
@@ -133,11 +172,19 @@ class LLMEngine:
         with cache.lock():
             loaded = cache.load()
             reports = self.runner.lowering.warmup(self.runner.warm_step, progress)
+            sampler_clock = time.perf_counter()
             self.runner.warm_sampler()
+            self.timings["sampler"] = time.perf_counter() - sampler_clock
             if not loaded and any(r.source != "shared" for r in reports):
                 cache.save([r.as_dict() for r in reports])
         self.compile_cache = cache
-        self.timings["warmup"] = time.perf_counter() - clock
+        graphs = self.runner.lowering.graphs
+        capture = graphs.seconds if graphs is not None else 0.0
+        self.timings["compile"] = time.perf_counter() - clock - capture - self.timings["sampler"]
+        if graphs is not None:
+            self.timings["CUDA graph capture"] = capture
+            log.info("CUDA graphs: %d captured in %.2f s, pool %.2f GiB", len(graphs.captured), capture,
+                     torch.cuda.memory_reserved(self.runner.device) / 2**30 - reserved)  # fmt: skip
         return reports
 
     def _eos_ids(self, path: Path) -> set[int]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -48,21 +49,18 @@ class ModelRunner:
         self,
         model: DecoderModel,
         config: EngineConfig,
-        num_blocks: int,
         max_model_len: int,
         backend: BackendChoice = TORCH_BACKEND,
     ) -> None:
+        """The KV cache comes later (allocate_kv): on a GPU it is sized by profiling this runner's steps."""
         self.model = model
         self.device = model.embed.weight.device
         self.dtype = model.embed.weight.dtype
         self.block_size = config.cache.block_size
-        self.padding_block = num_blocks
+        self.max_model_len = max_model_len
+        self.padding_block = 0
+        self.kv_caches: list[torch.Tensor] = []
         d = model.dims
-        # One block more than the block manager hands out: padding slots (-1) write into it (see write_kv).
-        shape = (num_blocks + 1, 2, self.block_size, d.num_kv_heads, d.head_dim)
-        self.kv_caches = [
-            torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(d.num_layers)
-        ]
         max_tokens = config.scheduler.max_num_batched_tokens
         max_seqs = self.max_num_seqs = config.scheduler.max_num_seqs
         max_blocks = -(-max_model_len // self.block_size)
@@ -86,6 +84,16 @@ class ModelRunner:
         generator = torch.Generator(device=self.device).manual_seed(config.model.seed)
         self.sampler = Sampler(generator, *_sampling_ops(backend))
         self.lowering = Lowering(model, config, BucketPlan.from_config(config))
+
+    def allocate_kv(self, num_blocks: int) -> None:
+        """One block more than the block manager hands out: padding slots (-1) land there (see write_kv)."""
+        d = self.model.dims
+        self.kv_caches = []  # the old cache is freed before the new one is made
+        shape = (num_blocks + 1, 2, self.block_size, d.num_kv_heads, d.head_dim)
+        self.kv_caches = [
+            torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(d.num_layers)
+        ]
+        self.padding_block = num_blocks
 
     def _tensor(self, array: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(array)).to(self.device, non_blocking=True)
@@ -130,7 +138,12 @@ class ModelRunner:
         return StepResult(sampled, self.sampler(logits, meta_s), prompt_logprobs)
 
     def _forward(self, num_tokens: int, num_reqs: int, decode_only: bool) -> torch.Tensor:
-        """Runs the model on the first num_tokens/num_reqs entries of the staging buffers.
+        """Runs the model on the first num_tokens/num_reqs entries of the staging buffers."""
+        num_tokens, args = self.step_inputs(num_tokens, num_reqs, decode_only)
+        return self.lowering(num_tokens, decode_only, *args)
+
+    def step_inputs(self, num_tokens: int, num_reqs: int, decode_only: bool) -> tuple[int, tuple]:
+        """Plans the attention backend and returns the model's arguments (and the padded token count).
 
         Shapes are kept off dynamo's size-0/1 specializations, so three graphs serve every step: the block
         table has at least two columns, and a mixed step has at least two requests (an empty one pads)."""
@@ -168,40 +181,79 @@ class ModelRunner:
             block_table=self._tensor(self.block_table[:num_reqs, :width]),
             decode_only=decode_only,
         )
-        args = (self._tensor(self.input_ids[:num_tokens]), self._tensor(self.positions[:num_tokens]))
-        return self.lowering(num_tokens, decode_only, *args, self.kv_caches, meta)
+        ids, positions = self._tensor(self.input_ids[:num_tokens]), self._tensor(self.positions[:num_tokens])
+        return num_tokens, (ids, positions, self.kv_caches, meta)
 
     @torch.inference_mode()
     def warm_step(self, bucket: Bucket) -> None:
         """A step of the bucket's shape that writes nothing to the KV cache: every slot is padding and
-        every context reads block 0. Decode buckets are one token per request; a mixed bucket is one
-        prefill chunk plus two decode rows, so it also builds the decode kernel mixed steps use."""
+        every context reads block 0. Decode buckets are one token per request; a mixed bucket is prefill
+        chunks (each at most max_model_len) plus two decode rows, so it also builds the decode kernel mixed
+        steps use."""
+        size, n = self._fill_warm_step(bucket)
+        self._forward(size, n, bucket.kind == "decode")
+
+    def _fill_warm_step(self, bucket: Bucket) -> tuple[int, int]:
         size = bucket.size
         q_lens = [1] * size
         if bucket.kind == "tokens":
-            decode_rows = min(2, self.max_num_seqs - 1, size - 2)
-            q_lens = [size - max(decode_rows, 0)] + [1] * max(decode_rows, 0)
+            decode_rows = max(0, min(2, self.max_num_seqs - 1, size - 2))
+            prefill = size - decode_rows
+            chunk = min(prefill, self.max_model_len)
+            q_lens = [chunk] * (prefill // chunk) + [prefill % chunk] * (prefill % chunk > 0)
+            q_lens = q_lens[: self.max_num_seqs - decode_rows] + [1] * decode_rows
         cu = np.concatenate([[0], np.cumsum(q_lens)])
-        n = len(q_lens)
+        n, size = len(q_lens), int(cu[-1])
         self.input_ids[:size] = 0
         self.positions[:size] = 0
         self.slot_mapping[:size] = -1
         self.query_start_loc[: n + 1] = cu
         self.seq_lens[:n] = q_lens
         self.block_table[:n] = 0
-        self._forward(size, n, bucket.kind == "decode")
+        return size, n
+
+    @torch.inference_mode()
+    def profile_step(self, bucket: Bucket) -> None:
+        """warm_step's step run eagerly, outside the lowering (nothing compiled or captured)."""
+        size, n = self._fill_warm_step(bucket)
+        _, args = self.step_inputs(size, n, bucket.kind == "decode")
+        with torch.compiler.set_stance("force_eager"):
+            self.model(*args)
+
+    @torch.inference_mode()
+    def profile_sampler(self, rows: int) -> None:
+        """The sampler's largest step: every row with every filter and penalty, on full-vocabulary logits."""
+        vocab = self.model.dims.vocab_size
+        p = SamplingParams(temperature=1.0, top_k=5, top_p=0.9, min_p=0.01, repetition_penalty=1.1)
+        empty: list[list[int]] = [[]] * rows
+        meta = SamplingMetadata.build(
+            [p] * rows, [[0]] * rows, empty, [None] * rows, empty, vocab, self.device
+        )
+        logits = torch.zeros(rows, vocab, device=self.device)
+        Sampler(torch.Generator(device=self.device), self.sampler.prepare, self.sampler.draw)(logits, meta)
 
     @torch.inference_mode()
     def warm_sampler(self) -> None:
-        """One draw with every filter on, so FlashInfer's sampling kernels are JIT-built before serving.
-        It draws from its own generator: the engine's stream of random draws is left as it was."""
+        """Draws once through every sampling path (each combination of penalties, bias and banned ids the
+        prep kernel specializes on; plain, top-k/top-p and min-p draws), so every kernel is built before
+        serving. It draws from its own generator: the engine's stream of random draws is left as it was."""
         vocab = self.model.dims.vocab_size
-        params = [SamplingParams(temperature=1.0, top_k=5, top_p=0.9, min_p=0.01)] * 2
-        meta = SamplingMetadata.build(params, [[0]] * 2, [[]] * 2, [None] * 2, [[]] * 2, vocab, self.device)
-        throwaway = torch.Generator(device=self.device).manual_seed(0)
-        Sampler(throwaway, self.sampler.prepare, self.sampler.draw)(
-            torch.zeros(2, vocab, device=self.device), meta
+        throwaway = Sampler(
+            torch.Generator(device=self.device).manual_seed(0), self.sampler.prepare, self.sampler.draw
         )
+        for i, (penalty, bias, banned) in enumerate(itertools.product((False, True), repeat=3)):
+            draw = i % 3  # 0: plain, 1: top-k/top-p, 2: and min-p
+            p = SamplingParams(
+                temperature=1.0,
+                top_k=5 if draw else -1,
+                top_p=0.9 if draw else 1.0,
+                min_p=0.01 if draw == 2 else 0.0,
+                repetition_penalty=1.1 if penalty else 1.0,
+                logit_bias={0: 1.0} if bias else None,
+            )
+            ban = [[1]] * 2 if banned else [[]] * 2
+            meta = SamplingMetadata.build([p] * 2, [[0]] * 2, [[]] * 2, [None] * 2, ban, vocab, self.device)
+            throwaway(torch.zeros(2, vocab, device=self.device), meta)
 
     def _prompt_logprobs(
         self,

@@ -1,4 +1,4 @@
-"""Batched token sampling following vLLM v1: penalties, temperature, min-p, top-k, top-p, logprobs."""
+"""Batched token sampling following vLLM: penalties, temperature, top-k, top-p, min-p, logprobs."""
 
 from __future__ import annotations
 
@@ -138,8 +138,8 @@ Draw = Callable[[torch.Tensor, "SamplingMetadata", torch.Generator | None], torc
 
 
 class Sampler:
-    """prepare: penalties, bias and temperature (prepare_logits or its Triton kernel); draw: min-p, top-k,
-    top-p and the random draw (draw below, or FlashInfer's sort-free kernels). Greedy rows are an exact
+    """prepare: penalties, bias and temperature (prepare_logits or its Triton kernel); draw: top-k, top-p,
+    min-p and the random draw (draw below, or FlashInfer's sort-free kernels). Greedy rows are an exact
     argmax either way."""
 
     def __init__(
@@ -173,11 +173,12 @@ def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
 def draw_tokens(
     logits: torch.Tensor, meta: SamplingMetadata, generator: torch.Generator | None
 ) -> torch.Tensor:
-    """Samples each row of prepared logits (modified in place) under its min-p, top-k and top-p."""
-    if meta.min_p is not None:
-        apply_min_p(logits, meta.min_p)
+    """Samples each row of prepared logits (modified in place) in vLLM's order: top-k, renormalise,
+    top-p, then min-p (relative to the most likely token, so renormalising again changes nothing)."""
     if meta.top_k is not None or meta.top_p is not None:
         logits = _top_k_top_p(logits, meta.top_k, meta.top_p)
+    if meta.min_p is not None:
+        apply_min_p(logits, meta.min_p)
     probs = logits.softmax(dim=-1)
 
     # argmax(p / q) with q ~ Exp(1) draws from p; a seeded row's noise comes only from its

@@ -69,14 +69,19 @@ def safetensors_files(path: Path) -> list[Path]:
     return files
 
 
+def inspect_model(path: Path, dtype: str = "auto") -> tuple[ArchSpec, ModelDims, torch.dtype]:
+    """The architecture, shapes and serving dtype of a model folder, without reading its weights."""
+    config = load_config(path)
+    spec = spec_for(getattr(config, "architectures", None))
+    return spec, spec.dims(config), resolve_dtype(dtype, config)
+
+
 def load_model(
     path: Path, dtype: str = "auto", device: str | torch.device = "cpu", kernels: Kernels = TORCH_KERNELS
 ) -> DecoderModel:
-    config = load_config(path)
-    spec = spec_for(getattr(config, "architectures", None))
-    dims = spec.dims(config)
+    spec, dims, torch_dtype = inspect_model(path, dtype)
     with torch.device("meta"):
-        model = DecoderModel(spec, dims, kernels).to(resolve_dtype(dtype, config))
+        model = DecoderModel(spec, dims, kernels).to(torch_dtype)
     model.to_empty(device=device)
     load_weights(model, spec, dims, safetensors_files(path))
     model.prepare(dims.max_positions)

@@ -39,9 +39,8 @@ class StepLayout:
 
 class AttentionBackend(Protocol):
     """Implementations of DESIGN.md's attention seam. `plan` runs once per step, before the forward and
-    outside any graph; `forward` runs once per layer. `traceable`: torch.compile may trace `forward`."""
-
-    traceable: bool
+    outside any graph; `forward` runs once per layer, inside the compiled layer graph (an implementation
+    that can't be traced is a custom op, so each layer stays one graph)."""
 
     def plan(self, layout: StepLayout) -> None: ...
 
@@ -58,9 +57,7 @@ class AttentionBackend(Protocol):
 
 
 class TorchAttention:
-    """The reference backend: runs anywhere, and traces into the CPU's compiled layer graphs."""
-
-    traceable = True
+    """The reference backend: runs anywhere, and traces into the compiled layer graphs."""
 
     def plan(self, layout: StepLayout) -> None:
         pass
@@ -141,7 +138,7 @@ def attention(
     if decode:
         # At least two rows and two blocks: the compiled kernel then needs no size-1 specialization.
         decode = decode * 2 if len(decode) == 1 else decode
-        rows = torch.tensor([qsl[i] for i in decode])
+        rows = torch.tensor([qsl[i] for i in decode], device=q.device)
         n_blocks = max(2, -(-max(lens[i] for i in decode) // block_size))
         tables = block_table[decode, :n_blocks].contiguous()
         out[rows] = _paged_decode()(q[rows], kv_cache, tables, seq_lens[decode], scale, sliding_window)
@@ -151,8 +148,8 @@ def attention(
         ctx = lens[i]
         kc, vc = _gather_kv(kv_cache, block_table[i, : -(-ctx // block_size)])
         kc, vc = kc.transpose(0, 1), vc.transpose(0, 1)  # [KVH, L, D]
-        q_pos = torch.arange(ctx - n, ctx)[:, None]
-        key_pos = torch.arange(kc.shape[-2])[None, :]
+        q_pos = torch.arange(ctx - n, ctx, device=q.device)[:, None]
+        key_pos = torch.arange(kc.shape[-2], device=q.device)[None, :]
         mask = key_pos <= q_pos
         if sliding_window > 0:
             mask &= key_pos > q_pos - sliding_window

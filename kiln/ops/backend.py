@@ -56,9 +56,25 @@ def _importable(name: str) -> bool:
     return importlib.util.find_spec(name) is not None
 
 
-def choose_backend(kernels: str, attention: str, sampler: str, device: torch.device) -> BackendChoice:
-    """Resolves `auto` and checks explicit choices against the device. Triton on a CPU is allowed only
-    under TRITON_INTERPRET=1 (how its kernels are tested without a GPU)."""
+# What FlashInfer 0.5.3's paged kernels dispatch (its DISPATCH_HEAD_DIM; merge states fail on others).
+FLASHINFER_HEAD_DIMS = (64, 128, 256)
+FLASHINFER_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def flashinfer_unsupported(head_dim: int, dtype: torch.dtype) -> str | None:
+    """Why FlashInfer's attention can't serve this model, or None when it can."""
+    if head_dim not in FLASHINFER_HEAD_DIMS:
+        return f"head_dim {head_dim} (FlashInfer serves {', '.join(map(str, FLASHINFER_HEAD_DIMS))})"
+    if dtype not in FLASHINFER_DTYPES:
+        return f"dtype {str(dtype).removeprefix('torch.')} (FlashInfer serves float16 and bfloat16)"
+    return None
+
+
+def choose_backend(
+    kernels: str, attention: str, sampler: str, device: torch.device, head_dim: int, dtype: torch.dtype
+) -> BackendChoice:
+    """Resolves `auto` and checks explicit choices against the device and the model. Triton on a CPU is
+    allowed only under TRITON_INTERPRET=1 (how its kernels are tested without a GPU)."""
     cuda = device.type == "cuda"
     interpret = os.environ.get("TRITON_INTERPRET") == "1"
     has_triton, has_flashinfer = _importable("triton"), cuda and _importable("flashinfer")
@@ -72,13 +88,20 @@ def choose_backend(kernels: str, attention: str, sampler: str, device: torch.dev
             raise ValueError(f"backend.{key} {fast!r} is not installed: pip install 'kiln[cuda]'")
         return value
 
+    unsupported = flashinfer_unsupported(head_dim, dtype)
+    if attention == "flashinfer" and cuda and unsupported:
+        raise ValueError(f"backend.attention 'flashinfer' cannot serve this model's {unsupported}")
     choice = BackendChoice(
         kernels=pick("kernels", kernels, "triton", has_triton, cuda or interpret),
-        attention=pick("attention", attention, "flashinfer", has_flashinfer, cuda),
+        attention=pick("attention", attention, "flashinfer", has_flashinfer and not unsupported, cuda),
         sampler=pick("sampler", sampler, "flashinfer", has_flashinfer, cuda),
     )
     if cuda and not has_flashinfer and "auto" in (attention, sampler):
         log.warning("FlashInfer is not installed: attention and sampling use the torch references (slower)")
+    elif cuda and attention == "auto" and unsupported:
+        log.warning(
+            "attention uses the torch reference: FlashInfer cannot serve this model's %s", unsupported
+        )
     return choice
 
 

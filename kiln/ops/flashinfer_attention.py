@@ -8,6 +8,11 @@ copies the step's page tables into the wrapper on the host side, before the forw
 
 from __future__ import annotations
 
+import itertools
+import logging
+import time
+import weakref
+
 import flashinfer
 import numpy as np
 import torch
@@ -15,11 +20,18 @@ import torch
 from kiln.ops.attention import AttnMetadata, StepLayout
 from kiln.ops.triton.kv_cache import write_kv
 
+log = logging.getLogger(__name__)
+
 WORKSPACE_BYTES = 256 * 2**20  # FlashInfer's split-k scratch, shared by every wrapper (one step at a time)
+
+# The custom op below takes tensors and an int, not a Python object: each backend is found by its id.
+_LIVE: weakref.WeakValueDictionary[int, FlashInferAttention] = weakref.WeakValueDictionary()
+_IDS = itertools.count()
 
 
 class FlashInferAttention:
-    traceable = False  # wrapper.run is opaque to dynamo: compiled layers split around it
+    """forward is one custom op, opaque to dynamo but no graph break: each layer stays one graph. (A
+    graph break left resume functions with static shapes, which recompiled for each new step size.)"""
 
     def __init__(
         self,
@@ -44,12 +56,15 @@ class FlashInferAttention:
             self.workspace, "NHD", use_tensor_cores=self.tensor_cores
         )
         self.graph_decode: dict[int, flashinfer.BatchDecodeWithPagedKVCacheWrapper] = {}
+        build_kernels(head_dim, dtype, device, sliding_window > 0, self.tensor_cores)
         # FlashInfer bakes these into the plan; every layer of a kiln model shares them.
         self.scale, self.sliding_window = scale, sliding_window
         self._active: (
             flashinfer.BatchDecodeWithPagedKVCacheWrapper | flashinfer.BatchPrefillWithPagedKVCacheWrapper
         )
         self._active = self.prefill
+        self.id = next(_IDS)
+        _LIVE[self.id] = self
 
     def _graph_wrapper(self, batch: int) -> flashinfer.BatchDecodeWithPagedKVCacheWrapper:
         if batch not in self.graph_decode:
@@ -92,7 +107,6 @@ class FlashInferAttention:
         self._active = self.prefill
         self.prefill.plan(qo_indptr, *host, head_dim_qk=self.head_dim, causal=True, **common)
 
-    @torch.compiler.disable
     def forward(
         self,
         q: torch.Tensor,
@@ -103,5 +117,66 @@ class FlashInferAttention:
         scale: float,
         sliding_window: int,
     ) -> torch.Tensor:
-        write_kv(k, v, kv_cache, meta.slot_mapping)
-        return self._active.run(q.contiguous(), kv_cache)
+        return flashinfer_attention(q, k, v, kv_cache, meta.slot_mapping, self.id)
+
+
+@torch.library.custom_op("kiln::flashinfer_attention", mutates_args=("kv_cache",))
+def flashinfer_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    backend_id: int,
+) -> torch.Tensor:
+    """Writes the new K/V, then runs the wrapper the backend's last plan chose."""
+    write_kv(k, v, kv_cache, slot_mapping)
+    return _LIVE[backend_id]._active.run(q.contiguous(), kv_cache)
+
+
+@flashinfer_attention.register_fake
+def _(q, k, v, kv_cache, slot_mapping, backend_id):
+    return torch.empty_like(q)
+
+
+def kernel_specs(
+    head_dim: int, dtype: torch.dtype, device: torch.device, sliding_window: bool, tensor_cores: bool
+) -> list:
+    """FlashInfer's JitSpecs for every module this attention's steps load (decode, prefill, paging) and
+    sampling: the same arguments the wrappers' plan() passes, so the same names and build folders."""
+    from flashinfer.jit import gen_batch_decode_module, gen_batch_prefill_module
+    from flashinfer.jit.page import gen_page_module
+    from flashinfer.jit.sampling import gen_sampling_module
+    from flashinfer.utils import determine_attention_backend
+
+    prefill = determine_attention_backend(device, 0, False, False, dtype, dtype)
+    common = (dtype, dtype, dtype, torch.int32, head_dim, head_dim, 0, sliding_window, False)
+    decode = (
+        gen_batch_prefill_module("fa2", *common, False) if tensor_cores else gen_batch_decode_module(*common)
+    )
+    return [
+        gen_batch_prefill_module(prefill, *common, False),
+        decode,
+        gen_page_module(),
+        gen_sampling_module(),
+    ]
+
+
+def build_kernels(
+    head_dim: int, dtype: torch.dtype, device: torch.device, sliding_window: bool, tensor_cores: bool
+) -> None:
+    """Builds every module kernel_specs lists in one parallel ninja run, instead of one nvcc build after
+    another on first use. Once built, ninja finds them up to date and this takes well under a second."""
+    from flashinfer.jit import build_jit_specs
+
+    specs = kernel_specs(head_dim, dtype, device, sliding_window, tensor_cores)
+    clock = time.perf_counter()
+    build_jit_specs(list({spec.name: spec for spec in specs}.values()))
+    log.info(
+        "FlashInfer kernels (head_dim %d, %s%s%s): ready in %.1f s",
+        head_dim,
+        str(dtype).removeprefix("torch."),
+        ", sliding window" if sliding_window else "",
+        ", tensor-core decode" if tensor_cores else "",
+        time.perf_counter() - clock,
+    )

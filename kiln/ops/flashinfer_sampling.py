@@ -1,14 +1,13 @@
 """Sampling with FlashInfer's sort-free rejection-sampling kernels: kiln.engine.sampler.draw_tokens's
-contract (same per-row min-p, top-k and top-p; seeded rows draw only from their own generator)."""
+contract (vLLM's order: top-k, renormalise, top-p, then min-p; seeded rows draw only from their own
+generator)."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-import flashinfer.sampling
+import flashinfer.sampling as fs
 import torch
-
-from kiln.engine.sampler import apply_min_p
 
 if TYPE_CHECKING:
     from kiln.engine.sampler import SamplingMetadata
@@ -17,21 +16,25 @@ if TYPE_CHECKING:
 def draw_tokens(
     logits: torch.Tensor, meta: SamplingMetadata, generator: torch.Generator | None
 ) -> torch.Tensor:
-    if meta.min_p is not None:
-        # FlashInfer's min-p kernel takes probabilities and no top-k/top-p alongside: mask first instead.
-        apply_min_p(logits, meta.min_p)
     top_k = meta.top_k.to(torch.int32) if meta.top_k is not None else None
-    top_p = meta.top_p
+    top_p, min_p = meta.top_p, meta.min_p
 
     def draw(rows: torch.Tensor | slice, gen: torch.Generator | None) -> torch.Tensor:
-        if top_k is None and top_p is None:
-            return flashinfer.sampling.sampling_from_logits(logits[rows], generator=gen)
-        return flashinfer.sampling.top_k_top_p_sampling_from_logits(
-            logits[rows],
-            top_k[rows] if top_k is not None else logits.shape[-1],
-            top_p[rows] if top_p is not None else 1.0,
-            generator=gen,
-        )
+        x = logits[rows]
+        if min_p is None:
+            if top_k is None and top_p is None:
+                return fs.sampling_from_logits(x, generator=gen)
+            # "top_k_first": top-k, a softmax over what is left, then top-p: vLLM's order.
+            k = top_k[rows] if top_k is not None else x.shape[-1]
+            return fs.top_k_top_p_sampling_from_logits(
+                x, k, top_p[rows] if top_p is not None else 1.0, generator=gen
+            )
+        probs = x.softmax(dim=-1)
+        if top_k is not None:
+            probs = fs.top_k_renorm_probs(probs, top_k[rows])
+        if top_p is not None:
+            probs = fs.top_p_renorm_probs(probs, top_p[rows])
+        return fs.min_p_sampling_from_probs(probs, min_p[rows], generator=gen)
 
     if not meta.generators:
         return draw(slice(None), generator).long()

@@ -8,6 +8,7 @@ import torch
 
 from kiln.engine.sampler import Sampler, SamplingMetadata, apply_penalties, compute_logprobs
 from kiln.sampling_params import SamplingParams
+from tests.sampling_expectation import CASES, check_distribution, expected_probs
 
 CPU = torch.device("cpu")
 
@@ -277,3 +278,18 @@ def test_seeded_rows_follow_softmax_too() -> None:
 def test_logit_bias_outside_vocab_is_rejected() -> None:
     with pytest.raises(ValueError, match="logit_bias"):
         build([SamplingParams(logit_bias={10: 1.0})], 10)
+
+
+@pytest.mark.parametrize(("top_k", "top_p", "min_p"), CASES)
+def test_sampling_distribution_follows_vllm_order(top_k: int, top_p: float, min_p: float) -> None:
+    check_distribution(None, CPU, top_k, top_p, min_p)
+
+
+def test_filter_order_matters_in_the_cases_checked() -> None:
+    """The cases tell the orders apart: top-p on un-renormalised top-k, or min-p before top-p, differ."""
+    logits = torch.randn(20, generator=torch.Generator().manual_seed(0)) * 1.5
+    kept = expected_probs(logits, 6, 0.8, 0.0) > 0
+    probs = logits.double().softmax(-1)
+    ranked = probs.sort(descending=True).values
+    unrenormalised = ((ranked.cumsum(0) - ranked) < 0.8)[:6].sum()
+    assert kept.sum() != unrenormalised

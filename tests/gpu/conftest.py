@@ -3,6 +3,12 @@ import importlib.util
 import pytest
 import torch
 
+from kiln.compile.cache import point_caches
+from kiln.paths import cache_root
+
+# FlashInfer reads its JIT cache's location once, on import: point it under KILN_CACHE_DIR first.
+point_caches(cache_root())
+
 
 @pytest.fixture(autouse=True)
 def _needs_cuda_and_flashinfer() -> None:

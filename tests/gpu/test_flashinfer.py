@@ -1,19 +1,18 @@
 """FlashInfer attention and sampling against the torch references, on the GPU."""
 
-import math
-
 import numpy as np
 import pytest
 import torch
 
-from kiln.engine.sampler import Sampler, SamplingMetadata
 from kiln.ops.attention import TORCH_ATTENTION, AttnMetadata, StepLayout
-from kiln.sampling_params import SamplingParams
+from tests.sampling_expectation import CASES, check_distribution
 
-BS, H, KVH, D, BLOCKS = 16, 8, 2, 64, 64
+BS, KVH, BLOCKS = 16, 2, 64
 
 
-def _step(ctx_lens: list[int], q_lens: list[int], decode_only: bool):
+def _step(
+    ctx_lens: list[int], q_lens: list[int], decode_only: bool, D: int, window: int = 0, H: int = 4
+) -> None:
     """A step over a random bf16 cache: request i has ctx_lens[i] cached tokens and q_lens[i] new ones."""
     from kiln.ops.flashinfer_attention import FlashInferAttention
 
@@ -38,56 +37,47 @@ def _step(ctx_lens: list[int], q_lens: list[int], decode_only: bool):
         torch.from_numpy(table).to(dev),
         decode_only,
     )
-    fi = FlashInferAttention(H, KVH, D, BS, torch.bfloat16, dev, width, D**-0.5, 0)
+    fi = FlashInferAttention(H, KVH, D, BS, torch.bfloat16, dev, width, D**-0.5, window)
     fi.plan(StepLayout(qsl, np.array(seq, dtype=np.int32), table, decode_only, False))
     ref_cache = cache.clone()
-    want = TORCH_ATTENTION.forward(q, k, v, ref_cache, meta, D**-0.5, 0)
-    got = fi.forward(q, k, v, cache, meta, D**-0.5, 0)
+    want = TORCH_ATTENTION.forward(q, k, v, ref_cache, meta, D**-0.5, window)
+    got = fi.forward(q, k, v, cache, meta, D**-0.5, window)
     torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
     assert torch.equal(cache[:BLOCKS], ref_cache[:BLOCKS])  # the same K/V landed in the same slots
 
 
-def test_prefill() -> None:
-    _step([0, 0, 0], [37, 5, 16], decode_only=False)
+HEAD_DIMS = pytest.mark.parametrize("D", [64, 128])
 
 
-def test_decode() -> None:
-    _step([40, 1, 15, 100], [1, 1, 1, 1], decode_only=True)
+@HEAD_DIMS
+def test_prefill(D: int) -> None:
+    _step([0, 0, 0], [37, 5, 16], decode_only=False, D=D)
 
 
-def test_chunked_prefill_on_a_cached_prefix_mixed_with_decodes() -> None:
-    _step([48, 20, 7], [33, 1, 1], decode_only=False)
+@HEAD_DIMS
+def test_decode(D: int) -> None:
+    _step([40, 1, 15, 100], [1, 1, 1, 1], decode_only=True, D=D)
 
 
-def _chi_square_critical(df: int, z: float = 3.09) -> float:
-    # Wilson-Hilferty: the chi-square quantile at p = 0.001 (z = 3.09) without scipy.
-    return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
+@HEAD_DIMS
+def test_chunked_prefill_on_a_cached_prefix_mixed_with_decodes(D: int) -> None:
+    _step([48, 20, 7], [33, 1, 1], decode_only=False, D=D)
 
 
-@pytest.mark.parametrize(("top_k", "top_p"), [(5, 1.0), (0, 0.7), (6, 0.8)])
-def test_flashinfer_sampling_distribution(top_k: int, top_p: float) -> None:
+def test_tensor_core_decode() -> None:
+    """Four query heads per KV head (Llama-3-8B's ratio) decode on tensor cores."""
+    _step([40, 1, 15, 100], [1, 1, 1, 1], decode_only=True, D=128, H=8)
+
+
+@pytest.mark.parametrize("decode_only", [False, True])
+def test_sliding_window(decode_only: bool) -> None:
+    q_lens = [1, 1, 1] if decode_only else [33, 1, 1]
+    _step([48, 20, 7], q_lens, decode_only=decode_only, D=128, window=16)
+
+
+@pytest.mark.parametrize(("top_k", "top_p", "min_p"), CASES)
+def test_flashinfer_sampling_distribution(top_k: int, top_p: float, min_p: float) -> None:
+    """FlashInfer's draw against the same expectation the torch sampler's CPU test uses."""
     from kiln.ops.flashinfer_sampling import draw_tokens
 
-    vocab, draws = 20, 40000
-    torch.manual_seed(0)
-    logits = torch.randn(vocab, device="cuda") * 1.5
-    probs = logits.softmax(-1)
-    order = probs.argsort(descending=True)
-    keep = torch.zeros(vocab, dtype=torch.bool, device="cuda")
-    ranked = probs[order]
-    kept = (ranked.cumsum(0) - ranked) < top_p
-    if top_k:
-        kept &= torch.arange(vocab, device="cuda") < top_k
-    keep[order[kept]] = True
-    expected = torch.where(keep, probs, 0) / probs[keep].sum()
-
-    params = [SamplingParams(temperature=1.0, top_k=top_k or -1, top_p=top_p)] * draws
-    meta = SamplingMetadata.build(params, [[0]] * draws, [[]] * draws, [None] * draws, [[]] * draws, vocab,
-                                  torch.device("cuda"))  # fmt: skip
-    sampler = Sampler(torch.Generator(device="cuda").manual_seed(1), draw=draw_tokens)
-    ids = sampler(logits.expand(draws, -1).contiguous(), meta).token_ids
-    counts = torch.bincount(ids, minlength=vocab).double()
-    assert counts[~keep].sum() == 0  # nothing outside top-k / top-p, ever
-    exp = expected[keep].double() * draws
-    stat = ((counts[keep] - exp) ** 2 / exp).sum().item()
-    assert stat < _chi_square_critical(int(keep.sum()) - 1)
+    check_distribution(draw_tokens, torch.device("cuda"), top_k, top_p, min_p)

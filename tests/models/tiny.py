@@ -54,9 +54,20 @@ def save_tokenizer(path: Path) -> None:
     PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0").save_pretrained(path)
 
 
-def build(name: str, path: Path) -> torch.nn.Module:
-    """Saves a seeded random model (fp32 safetensors + tokenizer) to path; returns transformers' model."""
+def with_head_dim(kwargs: dict, head_dim: int) -> dict:
+    """The same architecture with wider heads (4 heads of head_dim): FlashInfer serves 64, 128 and 256."""
+    width = "n_embd" if "n_embd" in kwargs else "hidden_size"
+    out = dict(kwargs, **{width: kwargs.get("num_attention_heads", kwargs.get("n_head")) * head_dim})
+    if "head_dim" in kwargs:
+        out["head_dim"] = head_dim
+    return out
+
+
+def build(name: str, path: Path, head_dim: int | None = None) -> torch.nn.Module:
+    """Saves a seeded random model (fp32 safetensors + tokenizer) to path; returns transformers' model.
+    head_dim widens the model to that head size (otherwise 16, or 32 for qwen3)."""
     config_cls, kwargs = CONFIGS[name]
+    kwargs = with_head_dim(kwargs, head_dim) if head_dim else kwargs
     config = getattr(transformers, config_cls)(**kwargs, bos_token_id=None, eos_token_id=None)
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)

@@ -172,7 +172,32 @@ def test_auto_backend_on_a_cpu_is_torch_and_never_imports_flashinfer() -> None:
 
     from kiln.ops.backend import choose_backend
 
-    assert choose_backend("auto", "auto", "auto", torch.device("cpu")) == TORCH_BACKEND
+    cpu = torch.device("cpu")
+    assert choose_backend("auto", "auto", "auto", cpu, 64, torch.bfloat16) == TORCH_BACKEND
     assert "flashinfer" not in sys.modules
     with pytest.raises(ValueError, match=r"backend\.attention 'flashinfer' needs a CUDA device"):
-        choose_backend("auto", "flashinfer", "auto", torch.device("cpu"))
+        choose_backend("auto", "flashinfer", "auto", cpu, 64, torch.bfloat16)
+
+
+@pytest.mark.parametrize(
+    ("head_dim", "dtype", "why"),
+    [
+        (16, torch.bfloat16, "head_dim 16"),
+        (32, torch.float16, "head_dim 32"),
+        (128, torch.float32, "dtype float32"),
+    ],
+)
+def test_flashinfer_is_refused_for_what_its_kernels_cannot_serve(
+    head_dim: int, dtype: torch.dtype, why: str
+) -> None:
+    """Explicitly asked for, it is a config error naming the reason; auto takes the torch attention."""
+    from kiln.ops.backend import choose_backend, flashinfer_unsupported
+
+    assert why in (flashinfer_unsupported(head_dim, dtype) or "")
+    # Only the device's type is read: the refusal is checked without a GPU.
+    with pytest.raises(ValueError, match=rf"backend\.attention 'flashinfer' cannot serve this model's {why}"):
+        choose_backend("auto", "flashinfer", "auto", torch.device("cuda"), head_dim, dtype)
+    assert (
+        flashinfer_unsupported(128, torch.bfloat16) is None
+        and flashinfer_unsupported(64, torch.float16) is None
+    )

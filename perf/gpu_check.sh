@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# kiln's GPU checks in one run on an offline GPU machine, within a deadline. Prepare .gpu/ as
+# ../shared/gpu/README.md says (wheels in .gpu/whl, cache parts in .gpu/cache), then, from the root:
+#   bash perf/gpu_check.sh TOTAL_S "TEST_FILES|all" "BENCH_PHASES" [BENCH_ARGS...]
+# It installs .gpu/whl at a fixed path (so ninja's commands and FlashInfer's header mtimes match the carried
+# cache), restores KILN_CACHE_DIR from .gpu/cache, builds FlashInfer's modules in one parallel run, runs
+# tests/gpu file by file, then perf/gpu_bench.py's phases, and packs logs and the cache (object files
+# emptied, mtimes kept, so ninja finds them up to date) under $OUT.
+# Env: E2E_S and BENCH_S cap test_end_to_end and the benchmark; LATE_TESTS run after the benchmark;
+# NOPACK=1 skips packing the cache. BENCHMARKS.md's GPU numbers came from runs of this script.
+set -u
+T0=$(date +%s); TOTAL=${1:-560}; TESTS=${2:-all}; PHASES=${3:-}; shift 3 2>/dev/null; BENCH_ARGS=("$@")
+left() { echo $(( TOTAL - ($(date +%s) - T0) )); }
+export PYTHONUNBUFFERED=1 KILN_CACHE_DIR=/tmp/kc HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+OUT=${OUT:-/tmp/out}; L=/tmp/logs; mkdir -p "$OUT" "$KILN_CACHE_DIR" $L
+SITE=/tmp/kiln-site
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target $SITE .gpu/whl/*.whl > $L/setup.log 2>&1 || { tail $L/setup.log; exit 1; }
+find $SITE -exec touch -h -d 2020-01-01 {} +
+export PYTHONPATH=$SITE:$PWD
+ls .gpu/cache/kc.tgz.* >/dev/null 2>&1 && cat .gpu/cache/kc.tgz.* | tar -xz -C "$KILN_CACHE_DIR"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+python3 -c "import torch,triton,flashinfer;print('torch',torch.__version__,'triton',triton.__version__,'flashinfer',flashinfer.__version__)"
+timeout $(( $(left) - 300 > 60 ? $(left) - 300 : 60 )) python3 perf/gpu_prebuild.py > $L/prebuild.log 2>&1; echo "== prebuild rc=$? ($(( $(date +%s) - T0 )) s)"; grep -E "prebuild:|rror" $L/prebuild.log | head -5
+[ "$TESTS" = all ] && TESTS=$(ls tests/gpu/test_*.py)
+run_tests() {
+for f in "$@"; do
+  n=$(basename "$f" .py); lim=$(( $(left) - 40 )); [ $lim -lt 30 ] && { echo "== $f skipped: out of time"; continue; }
+  [ "$n" = test_end_to_end ] && [ $lim -gt ${E2E_S:-9999} ] && lim=${E2E_S:-9999}
+  par="-q"; [ "$n" = test_end_to_end ] && par="-n 8 -v"  # xdist: one worker per 2 of the 16 cores
+  timeout $lim python3 -m pytest -p no:cacheprovider -rA --tb=short $par -o faulthandler_timeout=$((lim - 10)) "$f" > $L/$n.log 2>&1
+  echo "== $f rc=$? ($(( $(date +%s) - T0 )) s)"
+  grep -E "^E |^FAILED|^ERROR|FAILED|passed|failed|Timeout|agreement" $L/$n.log | grep -v "PASSED" | cut -c1-200 | head -40
+done
+}
+run_tests $TESTS
+if [ -n "$PHASES" ] && [ $(left) -gt 60 ]; then
+  bl=$(( $(left) - 30 )); [ $bl -gt ${BENCH_S:-9999} ] && bl=${BENCH_S:-9999}
+  timeout $bl python3 perf/gpu_bench.py --out "$OUT/gpu_bench.json" --phases $PHASES "${BENCH_ARGS[@]}" > $L/gpu_bench.log 2>&1
+  echo "== gpu_bench rc=$? ($(( $(date +%s) - T0 )) s)"; grep -vE "it/s\]|s/it\]|req/s\]|tensor/s\]" $L/gpu_bench.log | grep -E "gpu_bench|Error|error|kiln\." | tail -25
+  cp $OUT/gpu_bench.serve.log $L/ 2>/dev/null
+fi
+[ -n "${LATE_TESTS:-}" ] && run_tests $LATE_TESTS
+du -sh "$KILN_CACHE_DIR"/* 2>/dev/null; du -sh ~/.cache/* 2>/dev/null
+[ -n "${NOPACK:-}" ] && { tar -czf $OUT/logs.tgz -C $L .; exit 0; }
+find "$KILN_CACHE_DIR/flashinfer" -name "*.o" | while read -r o; do m=$(stat -c %Y "$o"); : > "$o"; touch -d "@$m" "$o"; done
+tar -czf /tmp/kc.tgz -C "$KILN_CACHE_DIR" . && split -b 15M /tmp/kc.tgz "$OUT/kc.tgz."; ls -la $OUT
+tar -czf $OUT/logs.tgz -C $L .

@@ -1,0 +1,43 @@
+"""A workload that reaches every step shape serving can produce, and the check that running it after
+warmup compiled nothing (by torch's own counters). Shared by the CPU test and tests/gpu."""
+
+from kiln import LLM, SamplingParams
+from kiln.compile.lowering import compile_counters
+
+MAX_NUM_SEQS = 8
+MAX_NUM_BATCHED_TOKENS = 64
+OPTIONS = {"max_num_seqs": MAX_NUM_SEQS, "max_num_batched_tokens": MAX_NUM_BATCHED_TOKENS}
+
+
+def _prompt(n: int, start: int = 1) -> list[int]:
+    return [(start + 7 * i) % 200 + 1 for i in range(n)]
+
+
+def varied_workload(llm: LLM) -> None:
+    greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    for n in (1, 2, 3, 17, 40):  # one request alone: mixed steps of one request, then decode 1
+        llm.generate([_prompt(n)], greedy, use_tqdm=False)
+    # Many at once, finishing at different times: mixed steps of many requests, then every decode size.
+    many = [_prompt(n, n) for n in range(3, 3 + 2 * MAX_NUM_SEQS, 2)]
+    lengths = [SamplingParams(temperature=0, max_tokens=2 + i, ignore_eos=True) for i in range(len(many))]
+    llm.generate(many, lengths, use_tqdm=False)
+    # Longer than a step's token budget: chunked prefill; the same prompt again hits the prefix cache.
+    long = _prompt(3 * MAX_NUM_BATCHED_TOKENS + 5)
+    llm.generate([long], greedy, use_tqdm=False)
+    llm.generate([long, long[:100] + _prompt(9)], greedy, use_tqdm=False)
+    # Every sampling path: filters, penalties, seeds, several samples, logprobs.
+    sampled = [
+        SamplingParams(temperature=0.8, top_k=5, top_p=0.9, min_p=0.05, max_tokens=5, seed=1),
+        SamplingParams(temperature=1.0, max_tokens=5, repetition_penalty=1.2, presence_penalty=0.5),
+        SamplingParams(temperature=0.7, top_p=0.8, max_tokens=5, n=3, logprobs=2, prompt_logprobs=1),
+        SamplingParams(temperature=1.0, min_p=0.1, max_tokens=5, logit_bias={3: 2.0}),
+    ]
+    llm.generate([_prompt(11, 5)] * len(sampled), sampled, use_tqdm=False)
+
+
+def assert_nothing_compiles_after_ready(llm: LLM) -> None:
+    before = compile_counters()
+    varied_workload(llm)
+    after = compile_counters()
+    assert after == before, {k: (before[k], after[k]) for k in before if before[k] != after[k]}
+    assert llm.engine.runner.lowering.misses == 0

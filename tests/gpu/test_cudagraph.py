@@ -1,0 +1,45 @@
+"""Each captured decode graph replays what the eager forward computes on the same step."""
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from kiln import LLM
+from tests.models.tiny import build
+
+
+@pytest.mark.parametrize("head_dim", [16, 128], ids=["torch-attention", "flashinfer"])
+@torch.inference_mode()  # as the engine's steps: the graphs' static buffers are inference tensors
+def test_cudagraph_replay_equals_eager_for_every_decode_bucket(head_dim: int, tmp_path: Path) -> None:
+    build("llama", tmp_path, head_dim if head_dim != 16 else None)
+    llm = LLM(str(tmp_path), dtype="bfloat16", device="cuda", mode="cudagraph", kv_cache_gib=0.05,
+              max_num_seqs=16, max_model_len=256)  # fmt: skip
+    runner = llm.engine.runner
+    graphs = runner.lowering.graphs
+    assert graphs is not None and sorted(graphs.captured) == [1, 2, 4, 8, 16]
+    rng = np.random.default_rng(0)
+    for cache in runner.kv_caches:  # a random context for every block
+        cache.copy_(torch.randn_like(cache, dtype=torch.float32))
+    buckets = sorted(graphs.captured)
+    for smaller, bucket in zip([0, *buckets], buckets, strict=False):
+        for n in {bucket, smaller + 1}:  # a full bucket, and the fewest rows it takes (the rest padding)
+            lens = rng.integers(1, 200, n)
+            runner.input_ids[:n] = rng.integers(0, 256, n)
+            runner.positions[:n] = lens - 1
+            runner.slot_mapping[:n] = -1  # write into the padding block only: both runs see the same cache
+            runner.query_start_loc[: n + 1] = np.arange(n + 1)
+            runner.seq_lens[:n] = lens
+            width = runner.block_table.shape[1]
+            runner.block_table[:n] = [rng.permutation(runner.padding_block)[:width] for _ in range(n)]
+            num_tokens, args = runner.step_inputs(n, n, True)
+            assert num_tokens == bucket
+            replayed = runner.lowering(num_tokens, True, *args)[:n].clone()
+            with torch.compiler.set_stance("force_eager"):
+                eager = runner.model(*args)[:n]
+            torch.testing.assert_close(
+                replayed, eager, atol=3e-2, rtol=3e-2, msg=f"bucket {bucket}, {n} rows"
+            )
+            logits = runner.model.compute_logits
+            assert torch.equal(logits(replayed).argmax(-1), logits(eager).argmax(-1)), f"bucket {bucket}"
