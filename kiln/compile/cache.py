@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import datetime
 import fcntl
 import hashlib
 import json
@@ -34,6 +35,9 @@ ARTIFACTS = "artifacts.bin"
 MANIFEST = "manifest.json"
 # The sources whose code ends up in compiled graphs: a change to any of them is a different entry.
 _SOURCES = ("models", "ops", "compile")
+# Build caches an export carries besides torch's artifacts: FlashInfer's JIT modules (with ninja's logs,
+# so a machine with the same paths finds them up to date) and Triton's kernels launched outside Inductor.
+_BUILDS = ("flashinfer", "triton")
 
 
 class CacheError(RuntimeError):
@@ -180,23 +184,45 @@ class CompileCache:
         with zipfile.ZipFile(tmp, "w") as z:
             z.write(self.dir / MANIFEST, MANIFEST)
             z.write(self.dir / ARTIFACTS, ARTIFACTS)
+            for build in _BUILDS:
+                for path in sorted((self.root / build).rglob("*")):
+                    if path.is_file() and not path.is_symlink():
+                        z.write(path, path.relative_to(self.root).as_posix())
         os.replace(tmp, dest)
 
     def import_file(self, src: Path) -> None:
-        """Installs an exported file as this key's entry, after checking it was built for the same key."""
+        """Installs an exported file as this key's entry, after checking it was built for the same key,
+        and its build caches under the root."""
         try:
-            with zipfile.ZipFile(src) as z:
-                manifest = json.loads(z.read(MANIFEST))
-                data = z.read(ARTIFACTS)
+            z = zipfile.ZipFile(src)
+            manifest = json.loads(z.read(MANIFEST))
+            data = z.read(ARTIFACTS)
         except FileNotFoundError:
             raise CacheError(f"{src}: no such file") from None
         except (zipfile.BadZipFile, KeyError, ValueError) as e:
             raise CacheError(f"{src}: not a kiln compile cache export ({e})") from None
-        if manifest.get("key") != self.key:
-            theirs = manifest.get("parts", {})
-            diff = sorted(k for k in set(theirs) | set(self.parts) if theirs.get(k) != self.parts.get(k))
-            raise CacheError(f"{src} was built for a different setup (differs in: {', '.join(diff)})")
-        if hashlib.sha256(data).hexdigest() != manifest["files"][ARTIFACTS]["sha256"]:
-            raise CacheError(f"{src}: artifacts do not match their checksum")
-        with self.lock():
-            self._install({ARTIFACTS: data}, manifest.get("buckets", []))
+        with z:
+            if manifest.get("key") != self.key:
+                theirs = manifest.get("parts", {})
+                diff = sorted(k for k in set(theirs) | set(self.parts) if theirs.get(k) != self.parts.get(k))
+                raise CacheError(f"{src} was built for a different setup (differs in: {', '.join(diff)})")
+            if hashlib.sha256(data).hexdigest() != manifest["files"][ARTIFACTS]["sha256"]:
+                raise CacheError(f"{src}: artifacts do not match their checksum")
+            with self.lock():
+                self._unpack_builds(z, [i for i in z.infolist() if i.filename.split("/")[0] in _BUILDS])
+                self._install({ARTIFACTS: data}, manifest.get("buckets", []))
+
+    def _unpack_builds(self, z: zipfile.ZipFile, infos: list[zipfile.ZipInfo]) -> None:
+        """Writes the export's build caches under the root with their recorded times: ninja rebuilds
+        whatever looks older than its sources."""
+        root = self.root.resolve()
+        for info in infos:
+            if info.is_dir():
+                continue
+            dest = (root / info.filename).resolve()
+            if not dest.is_relative_to(root):
+                raise CacheError(f"an export's file {info.filename!r} would land outside {root}")
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            dest.write_bytes(z.read(info))
+            stamp = datetime.datetime(*info.date_time).timestamp()
+            os.utime(dest, (stamp, stamp))

@@ -181,7 +181,10 @@ def test_models_health_version(client: openai.OpenAI, server: Server) -> None:
     assert 503 in server.statuses_before_ready  # the port answered "starting" while the model loaded
     log = server.output()
     assert f"kiln is ready at {server.url}, serving {MODEL}" in log
-    assert re.search(r"after start \(weights [\d.]+ s, tokenizer [\d.]+ s, kv cache [\d.]+ s, warmup", log)
+    assert re.search(
+        r"after start \(weights [\d.]+ s, tokenizer [\d.]+ s, KV cache [\d.]+ s, compile [\d.]+ s, sampler",
+        log,
+    )
     assert f"try: curl {server.url}/v1/chat/completions" in log
 
 

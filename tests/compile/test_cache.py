@@ -50,6 +50,11 @@ def entries(cache: Path) -> list[Path]:
 
 def test_second_start_recompiles_nothing_and_an_export_loads_elsewhere(tiny: Path, tmp_path: Path) -> None:
     cache, exported = tmp_path / "cache", tmp_path / "tiny.kiln-cache"
+    # A FlashInfer JIT build (a GPU machine makes these): the export carries it, with its time.
+    built = cache / "flashinfer" / ".cache" / "flashinfer" / "0.5.3" / "90a" / "cached_ops" / "m" / "m.so"
+    built.parent.mkdir(parents=True)
+    built.write_bytes(b"\x7fELF module")
+    os.utime(built, (1_700_000_000, 1_700_000_000))
     finish(warmup(tiny, cache, tmp_path / "first.json", "--export", str(exported)))
     first = json.loads((tmp_path / "first.json").read_text())
     assert first["counters"]["fxgraph_cache_miss"] >= 3
@@ -67,6 +72,9 @@ def test_second_start_recompiles_nothing_and_an_export_loads_elsewhere(tiny: Pat
     third = json.loads((tmp_path / "third.json").read_text())
     assert third["counters"]["fxgraph_cache_miss"] == 0
     assert {b["source"] for b in third["buckets"]} == {"cache"}
+    landed = tmp_path / "elsewhere" / built.relative_to(cache)
+    assert landed.read_bytes() == built.read_bytes()
+    assert abs(landed.stat().st_mtime - 1_700_000_000) <= 2  # zip keeps times to 2 s
 
 
 def test_import_of_a_foreign_file_names_it(tiny: Path, tmp_path: Path) -> None:
