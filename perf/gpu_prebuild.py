@@ -1,4 +1,5 @@
 """Builds, in one parallel ninja run, every FlashInfer module the GPU tests and benchmark load."""
+
 import itertools
 import logging
 import time
