@@ -17,12 +17,12 @@ from kiln.compile.lowering import BucketReport
 from kiln.config import EngineConfig
 from kiln.engine.block_manager import BlockManager
 from kiln.engine.detokenizer import IncrementalDetokenizer, find_stop
-from kiln.engine.memory import profile_memory
+from kiln.engine.memory import kv_cache_blocks
 from kiln.engine.outputs import CompletionOutput, RequestOutput
 from kiln.engine.request import Logprob, PositionLogprobs, Request
-from kiln.engine.runner import ModelRunner, StepResult, kv_block_bytes
+from kiln.engine.runner import ModelRunner, StepResult
 from kiln.engine.scheduler import Scheduler
-from kiln.models.loader import inspect_model, load_model
+from kiln.models.loader import inspect_model, load_model, resolve_device
 from kiln.ops.backend import choose_backend, kernels_for
 from kiln.paths import cache_root
 from kiln.sampling_params import SamplingParams
@@ -30,8 +30,6 @@ from kiln.sampling_params import SamplingParams
 log = logging.getLogger(__name__)
 
 MAX_LOGPROBS = 20  # vLLM's default cap on logprobs and prompt_logprobs
-CPU_KV_CACHE_GIB = 1.0
-DEFAULT_GPU_MEMORY_UTILIZATION = 0.9  # vLLM's
 
 
 def resolve_model(model: str) -> Path:
@@ -43,13 +41,6 @@ def resolve_model(model: str) -> Path:
     if not path.is_dir():
         raise FileNotFoundError(f"model folder {model!r} does not exist (kiln never downloads from a hub)")
     return path
-
-
-def resolve_device(device: str) -> torch.device:
-    """`auto` is the GPU where there is one (as vLLM), else the CPU."""
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
 
 
 def _visible_text(req: Request) -> str:
@@ -101,7 +92,7 @@ class LLMEngine:
             )
         self.runner = ModelRunner(self.model, config, self.max_model_len, self.backend)
         self.timings["KV cache"] = time.perf_counter() - clock
-        num_blocks = self._num_blocks(config, device)
+        num_blocks = kv_cache_blocks(config, self.runner, self.max_model_len, self.timings)
         clock = time.perf_counter()
         self.runner.allocate_kv(num_blocks)
         self.block_manager = BlockManager(
@@ -123,34 +114,6 @@ class LLMEngine:
             self.backend.attention,
             self.backend.sampler,
         )
-
-    def _num_blocks(self, config: EngineConfig, device: torch.device) -> int:
-        """From cache.kv_cache_gib where set; on a GPU otherwise from gpu_memory_utilization (default 0.9)
-        and a profile of the largest step; on a CPU otherwise 1 GiB."""
-        c = config.cache
-        block_bytes = kv_block_bytes(self.model, c.block_size, self.runner.dtype)
-        if c.kv_cache_gib is not None or device.type != "cuda":
-            if c.gpu_memory_utilization is not None:
-                why = "cache.kv_cache_gib is set" if c.kv_cache_gib is not None else "the device is not a GPU"
-                log.warning("cache.gpu_memory_utilization is not used: %s", why)
-            gib = c.kv_cache_gib if c.kv_cache_gib is not None else CPU_KV_CACHE_GIB
-            source = f"cache.kv_cache_gib={gib}"
-            kv_bytes = int(gib * 2**30)
-        else:
-            clock = time.perf_counter()
-            utilization = c.gpu_memory_utilization or DEFAULT_GPU_MEMORY_UTILIZATION
-            graphs = self.runner.lowering.graphs is not None
-            max_tokens = config.scheduler.max_num_batched_tokens
-            kv_bytes = profile_memory(self.runner, utilization, max_tokens, graphs).kv_bytes
-            source = f"cache.gpu_memory_utilization={utilization}"
-            self.timings["memory profile"] = time.perf_counter() - clock
-        num_blocks = kv_bytes // block_bytes - 1  # one is the padding block
-        if num_blocks * c.block_size < self.max_model_len:
-            raise ValueError(
-                f"{source} leaves a KV cache of {max(0, num_blocks) * c.block_size} tokens, fewer than "
-                f"max_model_len={self.max_model_len}; give the cache more memory or lower max_model_len"
-            )
-        return num_blocks
 
     def warmup(self, progress: bool = False) -> list[BucketReport]:
         """Builds every graph before the first request, through the compile cache: a complete entry is

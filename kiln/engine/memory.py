@@ -1,20 +1,31 @@
-"""Sizing the KV cache on a GPU as vLLM does: of gpu_memory_utilization x the device's memory, what the
-weights, the peak of the largest step, the CUDA-graph pool and everything outside torch leave over."""
+"""How big the KV cache is: cache.kv_cache_gib where set; on a GPU otherwise as vLLM sizes it, what the
+weights, the peak of the largest step, the CUDA-graph pool and everything outside torch leave of
+gpu_memory_utilization x the device's memory; on a CPU otherwise 1 GiB."""
 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from kiln.compile.buckets import Bucket
+from kiln.config import EngineConfig
 from kiln.engine.runner import ModelRunner
+from kiln.models.decoder import DecoderModel
 
 log = logging.getLogger(__name__)
 
 GIB = 2**30
+CPU_KV_CACHE_GIB = 1.0
+DEFAULT_GPU_MEMORY_UTILIZATION = 0.9  # vLLM's
+
+
+def kv_block_bytes(model: DecoderModel, block_size: int, dtype: torch.dtype) -> int:
+    d = model.dims
+    return d.num_layers * 2 * block_size * d.num_kv_heads * d.head_dim * dtype.itemsize
 
 
 @dataclass(slots=True)
@@ -72,3 +83,34 @@ def profile_memory(runner: ModelRunner, utilization: float, max_tokens: int, gra
     profile = MemoryProfile(total, int(utilization * total), weights, total - free, max(step, sampler), pool)
     log.info("GPU memory: %s", profile.describe())
     return profile
+
+
+def kv_cache_blocks(
+    config: EngineConfig, runner: ModelRunner, max_model_len: int, timings: dict[str, float]
+) -> int:
+    """The number of KV blocks the block manager hands out (the runner allocates one more, for padding)."""
+    c = config.cache
+    block_bytes = kv_block_bytes(runner.model, c.block_size, runner.dtype)
+    if c.kv_cache_gib is not None or runner.device.type != "cuda":
+        if c.gpu_memory_utilization is not None:
+            why = "cache.kv_cache_gib is set" if c.kv_cache_gib is not None else "the device is not a GPU"
+            log.warning("cache.gpu_memory_utilization is not used: %s", why)
+        gib = c.kv_cache_gib if c.kv_cache_gib is not None else CPU_KV_CACHE_GIB
+        source = f"cache.kv_cache_gib={gib}"
+        kv_bytes = int(gib * GIB)
+    else:
+        clock = time.perf_counter()
+        utilization = c.gpu_memory_utilization or DEFAULT_GPU_MEMORY_UTILIZATION
+        graphs = runner.lowering.graphs is not None
+        kv_bytes = profile_memory(
+            runner, utilization, config.scheduler.max_num_batched_tokens, graphs
+        ).kv_bytes
+        source = f"cache.gpu_memory_utilization={utilization}"
+        timings["memory profile"] = time.perf_counter() - clock
+    num_blocks = kv_bytes // block_bytes - 1  # one is the padding block
+    if num_blocks * c.block_size < max_model_len:
+        raise ValueError(
+            f"{source} leaves a KV cache of {max(0, num_blocks) * c.block_size} tokens, fewer than "
+            f"max_model_len={max_model_len}; give the cache more memory or lower max_model_len"
+        )
+    return num_blocks

@@ -39,11 +39,6 @@ class StepResult:
     prompt_logprobs: dict[Request, PromptLogprobs]  # this step's rows of prompt logprobs
 
 
-def kv_block_bytes(model: DecoderModel, block_size: int, dtype: torch.dtype) -> int:
-    d = model.dims
-    return d.num_layers * 2 * block_size * d.num_kv_heads * d.head_dim * dtype.itemsize
-
-
 class ModelRunner:
     def __init__(
         self,
@@ -229,18 +224,21 @@ class ModelRunner:
         meta = SamplingMetadata.build(
             [p] * rows, [[0]] * rows, empty, [None] * rows, empty, vocab, self.device
         )
-        logits = torch.zeros(rows, vocab, device=self.device)
-        Sampler(torch.Generator(device=self.device), self.sampler.prepare, self.sampler.draw)(logits, meta)
+        self._throwaway_sampler()(torch.zeros(rows, vocab, device=self.device), meta)
+
+    def _throwaway_sampler(self) -> Sampler:
+        """The engine's sampler on its own generator: the engine's stream of draws is left as it was."""
+        return Sampler(
+            torch.Generator(device=self.device).manual_seed(0), self.sampler.prepare, self.sampler.draw
+        )
 
     @torch.inference_mode()
     def warm_sampler(self) -> None:
         """Draws once through every sampling path (each combination of penalties, bias and banned ids the
         prep kernel specializes on; plain, top-k/top-p and min-p draws), so every kernel is built before
-        serving. It draws from its own generator: the engine's stream of random draws is left as it was."""
+        serving."""
         vocab = self.model.dims.vocab_size
-        throwaway = Sampler(
-            torch.Generator(device=self.device).manual_seed(0), self.sampler.prepare, self.sampler.draw
-        )
+        throwaway = self._throwaway_sampler()
         for i, (penalty, bias, banned) in enumerate(itertools.product((False, True), repeat=3)):
             draw = i % 3  # 0: plain, 1: top-k/top-p, 2: and min-p
             p = SamplingParams(

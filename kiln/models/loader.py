@@ -69,6 +69,13 @@ def safetensors_files(path: Path) -> list[Path]:
     return files
 
 
+def resolve_device(device: str) -> torch.device:
+    """`auto` is the GPU where there is one (as vLLM), else the CPU."""
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
 def inspect_model(path: Path, dtype: str = "auto") -> tuple[ArchSpec, ModelDims, torch.dtype]:
     """The architecture, shapes and serving dtype of a model folder, without reading its weights."""
     config = load_config(path)
