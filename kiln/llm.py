@@ -82,7 +82,7 @@ class LLM:
         try:
             with tqdm(total=len(ids), desc="Generating", unit="req", disable=not use_tqdm) as bar:
                 while self.engine.has_unfinished():
-                    for out in self.engine.step():
+                    for out in self.engine.step(final_only=True):
                         if out.finished:
                             done[out.request_id] = out
                             bar.update()

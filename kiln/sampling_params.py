@@ -64,5 +64,9 @@ class SamplingParams(msgspec.Struct, kw_only=True):
         return self.temperature < _GREEDY_EPS
 
     @property
+    def uses_penalties(self) -> bool:
+        return self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
+
+    @property
     def top_k_or_off(self) -> int:
         return self.top_k if self.top_k > 0 else 0

@@ -12,6 +12,7 @@ one invocation share the random model folders):
   --skip-hf.
 
     python perf/gpu_bench.py --out results.json --phases copy batch1 throughput startup [--skip-hf]
+        [--models DIR]  # keep the random models, so a run of another kiln tree measures the same ones
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -70,9 +72,11 @@ def copy_bandwidth(gib: float = 2.0, iters: int = 20) -> float:
     return 2 * src.numel() * iters / (start.elapsed_time(end) / 1e3)
 
 
-def random_model(config_cls: str, dims: dict, path: Path) -> torch.nn.Module:
-    """A seeded random bf16 model on the GPU, saved as safetensors (with a word-level tokenizer over its
-    whole vocabulary) so kiln loads exactly the weights transformers runs."""
+def random_model(config_cls: str, dims: dict, path: Path) -> None:
+    """A seeded random bf16 model, saved as safetensors (with a word-level tokenizer over its whole
+    vocabulary) so kiln loads exactly the weights transformers runs; kept if the folder has one."""
+    if (path / "config.json").is_file():
+        return
     config = getattr(transformers, config_cls)(**dims, bos_token_id=None, eos_token_id=None)
     torch.manual_seed(0)
     with torch.device("cuda"):
@@ -87,7 +91,12 @@ def random_model(config_cls: str, dims: dict, path: Path) -> torch.nn.Module:
     tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(dims["vocab_size"])}, unk_token="t0"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0").save_pretrained(path)
-    return model.eval()
+    del model
+    free_gpu()
+
+
+def hf_model(path: Path) -> torch.nn.Module:
+    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, device_map="cuda")
 
 
 def step_bytes(model: torch.nn.Module, context: float) -> float:
@@ -104,8 +113,21 @@ def step_bytes(model: torch.nn.Module, context: float) -> float:
     return weights + kv_per_token * context
 
 
-def kiln_batch1(path: Path, prompt_len: int, new_tokens: int) -> float:
-    """Decode tokens/s after the first token, through the engine's step loop."""
+def gpu_ms(fn: Callable[[], object], iters: int = 50) -> float:
+    """GPU time of one call, by CUDA events around many back-to-back calls (host gaps hidden)."""
+    fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / iters
+
+
+def kiln_batch1(path: Path, prompt_len: int, new_tokens: int, result: dict) -> float:
+    """Decode tokens/s after the first token, through the engine's step loop; then the GPU time of the
+    decode graph's replay and of the logits alone, so the step's host share shows."""
     llm = LLM(str(path), dtype="bfloat16", device="cuda", kv_cache_gib=4, max_model_len=4096, max_num_seqs=8)
     engine = llm.engine
     log.info("kiln start-up (s): %s", {k: round(v, 2) for k, v in engine.timings.items()})
@@ -120,6 +142,15 @@ def kiln_batch1(path: Path, prompt_len: int, new_tokens: int) -> float:
         while engine.has_unfinished():
             engine.step()
         seconds = time.perf_counter() - clock
+    graph = engine.runner.lowering.graphs.captured[1]
+    with torch.inference_mode():
+        result["batch1_kiln_replay_ms"] = gpu_ms(graph.graph.replay)
+        result["batch1_kiln_logits_ms"] = gpu_ms(lambda: engine.model.compute_logits(graph.output[:1]))
+    result["batch1_kiln_step_ms"] = seconds / (new_tokens - 1) * 1e3
+    log.info(
+        "kiln batch-1 step %.2f ms: decode graph %.2f ms, logits %.2f ms on the GPU",
+        *(result[f"batch1_kiln_{k}_ms"] for k in ("step", "replay", "logits")),
+    )
     return (new_tokens - 1) / seconds
 
 
@@ -261,10 +292,10 @@ def free_gpu() -> None:
 
 
 def batch1_phase(path: Path, result: dict, skip_hf: bool) -> None:
-    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, device_map="cuda")
+    model = hf_model(path)
     prompt_len, new = 128, 256
     per_step = step_bytes(model, prompt_len + new / 2)
-    tps = kiln_batch1(path, prompt_len, new)
+    tps = kiln_batch1(path, prompt_len, new, result)
     result["batch1_kiln_tok_s"] = tps
     result["batch1_kiln_bandwidth_fraction"] = per_step * tps / (result["copy_bandwidth_gbs"] * 1e9)
     log.info(
@@ -283,18 +314,17 @@ def batch1_phase(path: Path, result: dict, skip_hf: bool) -> None:
 
 
 def throughput_phase(path: Path, result: dict, skip_hf: bool) -> None:
-    model = random_model("Qwen3Config", QWEN3_06B, path)
+    random_model("Qwen3Config", QWEN3_06B, path)
     work = workload()
     result["throughput_kiln_tok_s"] = kiln_throughput(path, work)
     log.info("kiln throughput: %.0f output tok/s", result["throughput_kiln_tok_s"])
     save(result)
     free_gpu()
     if not skip_hf:
-        hf = hf_throughput(model, work)
+        hf = hf_throughput(hf_model(path), work)
         result["throughput_hf_tok_s"] = hf
         result["throughput_ratio"] = result["throughput_kiln_tok_s"] / hf
         log.info("transformers throughput: %.0f output tok/s (kiln %.2fx)", hf, result["throughput_ratio"])
-    del model
     free_gpu()
 
 
@@ -321,6 +351,9 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--phases", nargs="+", choices=PHASES, default=list(PHASES))
     parser.add_argument("--skip-hf", action="store_true", help="kiln only")
+    parser.add_argument(
+        "--models", type=Path, help="keep the random model folders here, to reuse in a later run (A/B runs)"
+    )
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     result: dict = {
@@ -337,15 +370,15 @@ def main() -> None:
     log.info("copy bandwidth %.0f GB/s", result["copy_bandwidth_gbs"])
     save(result)
     with tempfile.TemporaryDirectory() as tmp:
-        llama = Path(tmp) / "llama3-8b"
+        models = args.models or Path(tmp)
+        llama = models / "llama3-8b"
         if "batch1" in args.phases or "startup" in args.phases:
             random_model("LlamaConfig", LLAMA3_8B, llama)  # the folder; each phase loads what it runs
-            free_gpu()
         for phase in args.phases:
             if phase == "batch1":
                 batch1_phase(llama, result, args.skip_hf)
             elif phase == "throughput":
-                throughput_phase(Path(tmp) / "qwen3-0.6b", result, args.skip_hf)
+                throughput_phase(models / "qwen3-0.6b", result, args.skip_hf)
             elif phase == "startup":
                 startup_phase(llama, Path(tmp) / "kiln-cache", args.out, result, args.skip_hf)
             save(result)

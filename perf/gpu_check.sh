@@ -7,7 +7,9 @@
 # tests/gpu file by file, then perf/gpu_bench.py's phases, and packs logs and the cache (object files
 # emptied, mtimes kept, so ninja finds them up to date) under $OUT.
 # Env: E2E_S and BENCH_S cap test_end_to_end and the benchmark; LATE_TESTS run after the benchmark;
-# NOPACK=1 skips packing the cache. BENCHMARKS.md's GPU numbers came from runs of this script.
+# NOPACK=1 skips packing the cache; AB=DIR (a folder holding another kiln tree's kiln/, e.g. from
+# `git archive REV kiln`) reruns the phases kiln-only on that tree, then on this one again, on the same
+# random models (gpu_bench.base.json, gpu_bench.again.json). BENCHMARKS.md's GPU numbers came from here.
 set -u
 T0=$(date +%s); TOTAL=${1:-560}; TESTS=${2:-all}; PHASES=${3:-}; shift 3 2>/dev/null; BENCH_ARGS=("$@")
 left() { echo $(( TOTAL - ($(date +%s) - T0) )); }
@@ -20,6 +22,9 @@ export PYTHONPATH=$SITE:$PWD
 ls .gpu/cache/kc.tgz.* >/dev/null 2>&1 && cat .gpu/cache/kc.tgz.* | tar -xz -C "$KILN_CACHE_DIR"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch,triton,flashinfer;print('torch',torch.__version__,'triton',triton.__version__,'flashinfer',flashinfer.__version__)"
+python3 -X importtime -c "import kiln.api.server, kiln.engine.engine, flashinfer" 2> $L/importtime.log
+echo "== slowest imports (cumulative us):"; sort -t'|' -k2 -n $L/importtime.log | tail -6 | cut -c1-120
+python3 -c "import time, torch; c = time.time(); torch.zeros(1, device='cuda'); print('== CUDA start-up %.2f s' % (time.time() - c))"
 timeout $(( $(left) - 300 > 60 ? $(left) - 300 : 60 )) python3 perf/gpu_prebuild.py > $L/prebuild.log 2>&1; echo "== prebuild rc=$? ($(( $(date +%s) - T0 )) s)"; grep -E "prebuild:|rror" $L/prebuild.log | head -5
 [ "$TESTS" = all ] && TESTS=$(ls tests/gpu/test_*.py)
 run_tests() {
@@ -35,9 +40,17 @@ done
 run_tests $TESTS
 if [ -n "$PHASES" ] && [ $(left) -gt 60 ]; then
   bl=$(( $(left) - 30 )); [ $bl -gt ${BENCH_S:-9999} ] && bl=${BENCH_S:-9999}
-  timeout $bl python3 perf/gpu_bench.py --out "$OUT/gpu_bench.json" --phases $PHASES "${BENCH_ARGS[@]}" > $L/gpu_bench.log 2>&1
-  echo "== gpu_bench rc=$? ($(( $(date +%s) - T0 )) s)"; grep -vE "it/s\]|s/it\]|req/s\]|tensor/s\]" $L/gpu_bench.log | grep -E "gpu_bench|Error|error|kiln\." | tail -25
+  bench() {  # NAME PYTHONPATH ARGS...
+    local name=$1 path=$2; shift 2
+    PYTHONPATH=$path timeout $bl python3 perf/gpu_bench.py --out "$OUT/$name.json" --models /tmp/models --phases $PHASES "$@" > $L/$name.log 2>&1
+    echo "== $name rc=$? ($(( $(date +%s) - T0 )) s)"; grep -vE "it/s\]|s/it\]|req/s\]|tensor/s\]" $L/$name.log | grep -E "gpu_bench|Error|error|kiln\." | tail -25
+  }
+  bench gpu_bench "$PYTHONPATH" "${BENCH_ARGS[@]}"
   cp $OUT/gpu_bench.serve.log $L/ 2>/dev/null
+  if [ -n "${AB:-}" ]; then
+    bl=$(( ($(left) - 30) / 2 )); bench gpu_bench.base "$SITE:$PWD/$AB" --skip-hf
+    bl=$(( $(left) - 30 )); bench gpu_bench.again "$PYTHONPATH" --skip-hf
+  fi
 fi
 [ -n "${LATE_TESTS:-}" ] && run_tests $LATE_TESTS
 du -sh "$KILN_CACHE_DIR"/* 2>/dev/null; du -sh ~/.cache/* 2>/dev/null

@@ -101,7 +101,9 @@ class App:
         s = self.config.server
         url = f"http://{s.host}:{s.port}"
         total = time.perf_counter() - self.started
-        parts = ", ".join(f"{k.replace('_', ' ')} {v:.2f} s" for k, v in self.engine.engine.timings.items())
+        timings = self.engine.engine.timings
+        parts = ", ".join(f"{k.replace('_', ' ')} {v:.2f} s" for k, v in timings.items())
+        parts += f", other {total - sum(timings.values()):.2f} s (imports, the server's own start)"
         log.info(
             "kiln is ready at %s, serving %s, %.1f s after start (%s)", url, self.model_name, total, parts
         )

@@ -247,7 +247,9 @@ class LLMEngine:
 
     # -- the step -----------------------------------------------------------------------------
 
-    def step(self) -> list[RequestOutput]:
+    def step(self, final_only: bool = False) -> list[RequestOutput]:
+        """One engine step; the cumulative outputs of the requests it advanced. With final_only (vLLM's
+        FINAL_ONLY output kind, for callers that don't stream) only finished requests' outputs are built."""
         batch = self.scheduler.schedule()
         if not batch.requests:
             return []
@@ -256,7 +258,7 @@ class LLMEngine:
             req.num_computed_tokens += n
             self.block_manager.cache_full_blocks(req)
         touched = self._update(result)
-        return [self._output(p) for p in touched]
+        return [self._output(p) for p in touched if not final_only or all(c.finished for c in p.children)]
 
     def _update(self, result: StepResult) -> list[_Parent]:
         for req, pl in result.prompt_logprobs.items():

@@ -52,6 +52,10 @@ class Request:
     cumulative_logprob: float = 0.0
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_token_ids: list[int] = field(init=False)  # a copy made once: outputs share it every step
+
+    def __post_init__(self) -> None:
+        self.prompt_token_ids = self.token_ids[: self.num_prompt_tokens]
 
     @property
     def num_tokens(self) -> int:
@@ -64,10 +68,6 @@ class Request:
     @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - self.num_prompt_tokens
-
-    @property
-    def prompt_token_ids(self) -> list[int]:
-        return self.token_ids[: self.num_prompt_tokens]
 
     @property
     def banned_ids(self) -> list[int]:

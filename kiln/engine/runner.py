@@ -121,10 +121,13 @@ class ModelRunner:
             return StepResult([], None, prompt_logprobs)
         sampled = [reqs[i] for i in sampling]
         logits = self.model.compute_logits(hidden[self._tensor(cu[1:][sampling] - 1)])
+        # A request's history is copied only when a penalty reads it: per-step work stays per new token.
+        history = any(r.params.uses_penalties for r in sampled)
+        no_ids: list[list[int]] = [[]] * len(sampled)
         meta_s = SamplingMetadata.build(
             [r.params for r in sampled],
-            [r.prompt_token_ids for r in sampled],
-            [r.output_token_ids for r in sampled],
+            [r.prompt_token_ids for r in sampled] if history else no_ids,
+            [r.output_token_ids for r in sampled] if history else no_ids,
             [r.generator for r in sampled],
             [r.banned_ids for r in sampled],
             logits.shape[-1],

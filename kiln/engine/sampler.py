@@ -86,10 +86,7 @@ class SamplingMetadata:
         top_k = per_row(lambda p: min(p.top_k_or_off or vocab_size, vocab_size), vocab_size)
         top_p = per_row(lambda p: p.top_p, 1.0)
         min_p = per_row(lambda p: p.min_p, 0.0)
-        uses_penalties = any(
-            p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
-            for p in params
-        )
+        uses_penalties = any(p.uses_penalties for p in params)
 
         bias = [(row, tok, val) for row, p in enumerate(params) for tok, val in (p.logit_bias or {}).items()]
         if any(not 0 <= tok < vocab_size for _, tok, _ in bias):

@@ -148,14 +148,16 @@ class DecoderModel(nn.Module):
         self.logits_weight: torch.Tensor | None = None
 
     def prepare(self, max_positions: int) -> None:
-        """After weights are loaded: the rotary table, and an fp32 LM head (logits are always fp32)."""
+        """After weights are loaded: the rotary table, and the LM head logits are computed with (they are
+        always float32). On CUDA a 16-bit head multiplies straight into float32 (cuBLAS accumulates in
+        float32), so a decode step reads the head once in 16 bits; elsewhere a float32 copy is made."""
         d = self.dims
         device = self.embed.weight.device
         if self.spec.positions == "rope":
             inv_freq, scaling = rope_inv_freq(d.rotary_dim or d.head_dim, d.rope_theta, d.rope_scaling)
             self.cos_sin = rope_cos_sin(inv_freq, max_positions, scaling).to(device)
         head = self.embed.weight if self.lm_head is None else self.lm_head.weight
-        self.logits_weight = head if head.dtype == torch.float32 else head.float()
+        self.logits_weight = head if head.dtype == torch.float32 or device.type == "cuda" else head.float()
         if head.dtype not in native_matmul_dtypes(device):
             log.info("%s matmuls are slow on this %s: linear layers compute in float32", head.dtype, device)
             for module in self.modules():
@@ -187,8 +189,11 @@ class DecoderModel(nn.Module):
         return self.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        assert self.logits_weight is not None, "call prepare() after loading weights"
+        w = self.logits_weight
+        assert w is not None, "call prepare() after loading weights"
+        if w.dtype != torch.float32:
+            return torch.mm(hidden.to(w.dtype), w.t(), out_dtype=torch.float32)
         head = self.embed.weight if self.lm_head is None else self.lm_head.weight
         if hidden.shape[0] == 1 and head.device.type == "cpu":
             return F.linear(hidden.to(head.dtype), head).float()  # the GEMV fast path, as in Linear
-        return F.linear(hidden.float(), self.logits_weight)
+        return F.linear(hidden.float(), w)
