@@ -7,7 +7,7 @@
 # tests/gpu file by file, then perf/gpu_bench.py's phases, and packs logs and the cache (object files
 # emptied, mtimes kept, so ninja finds them up to date) under $OUT.
 # Env: E2E_S and BENCH_S cap test_end_to_end and the benchmark; LATE_TESTS run after the benchmark;
-# NOPACK=1 skips packing the cache; AB=DIR (a folder holding another kiln tree's kiln/, e.g. from
+# NOPACK=1 skips packing the cache; PYTEST_ARGS go to every pytest run (e.g. "-k mistral"); AB=DIR (a folder holding another kiln tree's kiln/, e.g. from
 # `git archive REV kiln`) reruns the phases kiln-only on that tree, then on this one again, on the same
 # random models (gpu_bench.base.json, gpu_bench.again.json). BENCHMARKS.md's GPU numbers came from here.
 set -u
@@ -32,7 +32,7 @@ for f in "$@"; do
   n=$(basename "$f" .py); lim=$(( $(left) - 40 )); [ $lim -lt 30 ] && { echo "== $f skipped: out of time"; continue; }
   [ "$n" = test_end_to_end ] && [ $lim -gt ${E2E_S:-9999} ] && lim=${E2E_S:-9999}
   par="-q"; [ "$n" = test_end_to_end ] && par="-n 8 -v"  # xdist: one worker per 2 of the 16 cores
-  timeout $lim python3 -m pytest -p no:cacheprovider -rA --tb=short $par -o faulthandler_timeout=$((lim - 10)) "$f" > $L/$n.log 2>&1
+  timeout $lim python3 -m pytest -p no:cacheprovider -rA --tb=short $par ${PYTEST_ARGS:-} -o faulthandler_timeout=$((lim - 10)) "$f" > $L/$n.log 2>&1
   echo "== $f rc=$? ($(( $(date +%s) - T0 )) s)"
   grep -E "^E |^FAILED|^ERROR|FAILED|passed|failed|Timeout|agreement" $L/$n.log | grep -v "PASSED" | cut -c1-200 | head -40
 done
