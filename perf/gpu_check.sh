@@ -32,7 +32,7 @@ for f in "$@"; do
   n=$(basename "$f" .py); lim=$(( $(left) - 40 )); [ $lim -lt 30 ] && { echo "== $f skipped: out of time"; continue; }
   [ "$n" = test_end_to_end ] && [ $lim -gt ${E2E_S:-9999} ] && lim=${E2E_S:-9999}
   par="-q"; [ "$n" = test_end_to_end ] && par="-n 8 -v"  # xdist: one worker per 2 of the 16 cores
-  timeout $lim python3 -m pytest -p no:cacheprovider -rA --tb=short $par ${PYTEST_ARGS:-} -o faulthandler_timeout=$((lim - 10)) "$f" > $L/$n.log 2>&1
+  timeout $lim python3 -m pytest -p no:cacheprovider -rA --tb=short $par ${PYTEST_K:+-k "$PYTEST_K"} -o faulthandler_timeout=$((lim - 10)) "$f" > $L/$n.log 2>&1
   echo "== $f rc=$? ($(( $(date +%s) - T0 )) s)"
   grep -E "^E |^FAILED|^ERROR|FAILED|passed|failed|Timeout|agreement" $L/$n.log | grep -v "PASSED" | cut -c1-200 | head -40
 done
