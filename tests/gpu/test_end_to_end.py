@@ -13,22 +13,34 @@ GPU_OPTIONS = {"dtype": "bfloat16", "device": "cuda", "mode": "cudagraph", "kv_c
                "max_num_seqs": 4, "max_num_batched_tokens": 64}  # fmt: skip
 
 
+# bf16 rounds differently from fp32, so greedy may take the other side of a near-tie; once it has,
+# the two runs continue different texts. Up to that point the tokens must be equal, and the step where
+# they part must be one the fp32 run itself scores as nearly tied.
+NEAR_TIE = 0.1  # nats between the fp32 run's token and the GPU's, at the step where they part
+
+
 @pytest.mark.parametrize("head_dim", [None, 64, 128], ids=["native", "hd64", "hd128"])
 @pytest.mark.parametrize("arch", sorted(CONFIGS))
 def test_gpu_greedy_tokens_match_cpu_fp32(arch: str, head_dim: int | None, tmp_path: Path) -> None:
     build(arch, tmp_path, head_dim)
-    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=5)
     cpu = LLM(str(tmp_path), dtype="float32", kv_cache_gib=0.01, mode="eager", device="cpu")
     gpu = LLM(str(tmp_path), **GPU_OPTIONS)
     # head dims 16 and 32 are beyond FlashInfer's kernels: auto falls back to the torch attention.
     assert gpu.engine.backend.attention == ("flashinfer" if head_dim else "torch")
     assert gpu.engine.backend.kernels == "triton"
-    want = [o.outputs[0].token_ids for o in cpu.generate(PROMPTS, params, use_tqdm=False)]
+    want = [o.outputs[0] for o in cpu.generate(PROMPTS, params, use_tqdm=False)]
     got = [o.outputs[0].token_ids for o in gpu.generate(PROMPTS, params, use_tqdm=False)]
-    # bf16 rounds differently from fp32: the first token must agree, the rest is reported.
-    assert [g[0] for g in got] == [w[0] for w in want]
-    same = sum(a == b for g, w in zip(got, want, strict=True) for a, b in zip(g, w, strict=True))
-    agreement = same / sum(len(w) for w in want)
-    print(f"{arch} head_dim {head_dim or 'native'}: bf16 GPU vs fp32 CPU greedy agreement {agreement:.1%}")
-    assert agreement >= 0.5
+    same = 0
+    for g, w in zip(got, want, strict=True):
+        part = next((i for i, (a, b) in enumerate(zip(g, w.token_ids, strict=True)) if a != b), len(g))
+        same += part
+        if part < len(g):
+            scores = w.logprobs[part]
+            assert g[part] in scores, (
+                f"the GPU's token {g[part]} is not in the fp32 run's top 5 at step {part}"
+            )
+            gap = scores[w.token_ids[part]].logprob - scores[g[part]].logprob
+            assert gap < NEAR_TIE, f"parted at step {part} where fp32 preferred its token by {gap:.3f} nats"
+    print(f"{arch} head_dim {head_dim or 'native'}: equal for {same / sum(map(len, got)):.1%} of the tokens")
     assert gpu.engine.runner.lowering.misses == 0

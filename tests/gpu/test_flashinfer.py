@@ -69,10 +69,11 @@ def test_tensor_core_decode() -> None:
     _step([40, 1, 15, 100], [1, 1, 1, 1], decode_only=True, D=128, H=8)
 
 
+@HEAD_DIMS
 @pytest.mark.parametrize("decode_only", [False, True])
-def test_sliding_window(decode_only: bool) -> None:
+def test_sliding_window(decode_only: bool, D: int) -> None:
     q_lens = [1, 1, 1] if decode_only else [33, 1, 1]
-    _step([48, 20, 7], q_lens, decode_only=decode_only, D=128, window=16)
+    _step([48, 20, 7], q_lens, decode_only=decode_only, D=D, window=16)
 
 
 @pytest.mark.parametrize(("top_k", "top_p", "min_p"), CASES)
