@@ -7,9 +7,11 @@
 # tests/gpu file by file, then perf/gpu_bench.py's phases, and packs logs and the cache (object files
 # emptied, mtimes kept, so ninja finds them up to date) under $OUT.
 # Env: E2E_S and BENCH_S cap test_end_to_end and the benchmark; LATE_TESTS run after the benchmark;
-# NOPACK=1 skips packing the cache; PYTEST_K selects tests in every file (pytest -k); AB=DIR (a folder holding another kiln tree's kiln/, e.g. from
-# `git archive REV kiln`) reruns the phases kiln-only on that tree, then on this one again, on the same
-# random models (gpu_bench.base.json, gpu_bench.again.json). BENCHMARKS.md's GPU numbers came from here.
+# NOPACK=1 skips packing the cache (its inductor part outgrows what a run may return once the 8B
+# shape is compiled); PYTEST_K selects tests in every file (pytest -k); AB=DIR (a folder holding another
+# kiln tree's kiln/, e.g. from `git archive REV kiln`) reruns the phases kiln-only on that tree, then on
+# this one again, on the same random models (gpu_bench.base.json, gpu_bench.again.json).
+# BENCHMARKS.md's GPU numbers came from runs of this script.
 set -u
 T0=$(date +%s); TOTAL=${1:-560}; TESTS=${2:-all}; PHASES=${3:-}; shift 3 2>/dev/null; BENCH_ARGS=("$@")
 left() { echo $(( TOTAL - ($(date +%s) - T0) )); }
