@@ -440,3 +440,20 @@ def test_more_logprobs_than_the_vocabulary_is_rejected_up_front(clean_roomy: LLM
     with pytest.raises(ValueError, match=field):
         gen(clean_roomy, ["Hi there, how are you?"], params)
     assert_still_works(clean_roomy)
+
+
+def test_repetition_penalty_greedy_matches_transformers(roomy: LLM, hf_model: Any) -> None:
+    """The penalty reads the prompt and the output so far (the runner passes them only when a row uses
+    one): greedy tokens equal transformers' generate with the same penalty."""
+    tok = roomy.get_tokenizer()
+    prompt = tok.encode("one two one two one two one two one two")
+    plain = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    penalised = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, repetition_penalty=1.8)
+    with torch.inference_mode():
+        want = hf_model.generate(
+            torch.tensor([prompt]), max_new_tokens=12, min_new_tokens=12, do_sample=False,
+            repetition_penalty=1.8, pad_token_id=0,
+        )[0, len(prompt):].tolist()  # fmt: skip
+    got = [o.outputs[0].token_ids for o in gen(roomy, [prompt, prompt], [penalised, plain])]
+    assert got[0] == want
+    assert got[1] != got[0]  # the penalty changed the text
