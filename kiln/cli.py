@@ -99,7 +99,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     parser: argparse.ArgumentParser = args.parser
     config = _load_config(args)
     from kiln.api.server import run
-    from kiln.engine.engine import resolve_model
+    from kiln.models.loader import resolve_model
 
     try:
         resolve_model(config.model.model)  # a missing model folder fails here, before the port opens

@@ -83,9 +83,8 @@ class LLM:
             with tqdm(total=len(ids), desc="Generating", unit="req", disable=not use_tqdm) as bar:
                 while self.engine.has_unfinished():
                     for out in self.engine.step(final_only=True):
-                        if out.finished:
-                            done[out.request_id] = out
-                            bar.update()
+                        done[out.request_id] = out
+                        bar.update()
         finally:
             for rid in ids:  # after an error (or Ctrl-C) nothing of this call stays queued
                 if rid not in done:

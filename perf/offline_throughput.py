@@ -78,7 +78,7 @@ def main() -> None:
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
 
-    from kiln.engine.engine import resolve_model
+    from kiln.models.loader import resolve_model
 
     model = str(resolve_model(args.model))
     vocab = json.loads((Path(model) / "config.json").read_text())["vocab_size"]

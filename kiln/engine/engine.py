@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -18,11 +17,11 @@ from kiln.config import EngineConfig
 from kiln.engine.block_manager import BlockManager
 from kiln.engine.detokenizer import IncrementalDetokenizer, find_stop
 from kiln.engine.memory import kv_cache_blocks
-from kiln.engine.outputs import CompletionOutput, RequestOutput
-from kiln.engine.request import Logprob, PositionLogprobs, Request
+from kiln.engine.outputs import Parent, RequestOutput, logprob_dicts
+from kiln.engine.request import Request
 from kiln.engine.runner import ModelRunner, StepResult
 from kiln.engine.scheduler import Scheduler
-from kiln.models.loader import inspect_model, load_model, resolve_device
+from kiln.models.loader import inspect_model, load_model, resolve_device, resolve_model
 from kiln.ops.backend import choose_backend, kernels_for
 from kiln.paths import cache_root
 from kiln.sampling_params import SamplingParams
@@ -32,37 +31,8 @@ log = logging.getLogger(__name__)
 MAX_LOGPROBS = 20  # vLLM's default cap on logprobs and prompt_logprobs
 
 
-def resolve_model(model: str) -> Path:
-    if model == "default":
-        from kiln.models.convert import default_model_dir
-
-        return default_model_dir()
-    path = Path(model).expanduser()
-    if not path.is_dir():
-        raise FileNotFoundError(f"model folder {model!r} does not exist (kiln never downloads from a hub)")
-    return path
-
-
-def _visible_text(req: Request) -> str:
-    """While running, text that may still turn out to begin a stop string is held back, so a stream
-    never shows what the final, trimmed text leaves out."""
-    if req.finished or not req.params.stop:
-        return req.text
-    hold = max(map(len, req.params.stop)) - 1
-    return req.text[: max(0, len(req.text) - hold)]
-
-
 def load_tokenizer(config: EngineConfig, model_path: Path) -> Any:
     return AutoTokenizer.from_pretrained(config.model.tokenizer or model_path, local_files_only=True)
-
-
-@dataclass(slots=True)
-class _Parent:
-    """A user request; with n > 1 it fans out into n sampled sequences that share the prompt."""
-
-    request_id: str
-    prompt: str | None
-    children: list[Request]
 
 
 class LLMEngine:
@@ -100,7 +70,7 @@ class LLMEngine:
         )
         self.scheduler = Scheduler(config.scheduler, self.block_manager)
         self.eos_token_ids = self._eos_ids(path)
-        self.parents: dict[str, _Parent] = {}
+        self.parents: dict[str, Parent] = {}
         self.timings["KV cache"] += time.perf_counter() - clock
         log.info(
             "engine ready: %s (%s), %d KV blocks of %d tokens, max_model_len %d; kernels %s, attention %s, "
@@ -208,7 +178,7 @@ class LLMEngine:
             )
             child_id = f"{request_id}-{i}" if params.n > 1 else request_id
             children.append(self._request(child_id, request_id, ids, p))
-        self.parents[request_id] = _Parent(request_id, prompt if isinstance(prompt, str) else None, children)
+        self.parents[request_id] = Parent(request_id, prompt if isinstance(prompt, str) else None, children)
         for child in children:
             self.scheduler.add(child)
 
@@ -258,15 +228,15 @@ class LLMEngine:
             req.num_computed_tokens += n
             self.block_manager.cache_full_blocks(req)
         touched = self._update(result)
-        return [self._output(p) for p in touched if not final_only or all(c.finished for c in p.children)]
+        return [self._output(p) for p in touched if not final_only or p.finished]
 
-    def _update(self, result: StepResult) -> list[_Parent]:
+    def _update(self, result: StepResult) -> list[Parent]:
         for req, pl in result.prompt_logprobs.items():
             assert req.prompt_logprobs is not None
             ks = [req.params.prompt_logprobs or 0] * len(pl.ranks)
             del req.prompt_logprobs[pl.first_position + 1 :]  # a preempted request scores its prompt again
-            req.prompt_logprobs += self._logprob_dicts(
-                pl.ids.tolist(), pl.logprobs.tolist(), pl.ranks.tolist(), ks
+            req.prompt_logprobs += logprob_dicts(
+                self.tokenizer, pl.ids.tolist(), pl.logprobs.tolist(), pl.ranks.tolist(), ks
             )
         out = result.output
         if out is None:
@@ -274,10 +244,10 @@ class LLMEngine:
         tokens = out.token_ids.tolist()
         if out.logprobs is not None:
             ks = [r.params.logprobs or 0 for r in result.sampled]
-            rows = self._logprob_dicts(
-                out.logprob_token_ids.tolist(), out.logprobs.tolist(), out.ranks.tolist(), ks
+            rows = logprob_dicts(
+                self.tokenizer, out.logprob_token_ids.tolist(), out.logprobs.tolist(), out.ranks.tolist(), ks
             )
-        touched: dict[str, _Parent] = {}
+        touched: dict[str, Parent] = {}
         for i, (req, token) in enumerate(zip(result.sampled, tokens, strict=True)):
             req.token_ids.append(token)
             if req.logprobs is not None:
@@ -315,45 +285,11 @@ class LLMEngine:
             req.finish_reason, req.stop_reason = reason
             self.scheduler.finish(req)
 
-    def _logprob_dicts(
-        self, ids: list[list[int]], logprobs: list[list[float]], ranks: list[int], ks: list[int]
-    ) -> list[PositionLogprobs]:
-        """Rows of (token, then top-k) -> {token id: Logprob}, keeping each row's own k."""
-        out = []
-        for row_ids, row_lps, rank, k in zip(ids, logprobs, ranks, ks, strict=True):
-            words = self.tokenizer.batch_decode([[t] for t in row_ids[: 1 + k]])
-            entry = {row_ids[0]: Logprob(row_lps[0], rank, words[0])}
-            for j in range(1, 1 + k):
-                entry.setdefault(row_ids[j], Logprob(row_lps[j], j, words[j]))
-            out.append(entry)
-        return out
-
-    def _output(self, parent: _Parent) -> RequestOutput:
-        first = parent.children[0]
-        outputs = [
-            CompletionOutput(
-                index=i,
-                text=_visible_text(c),
-                token_ids=c.output_token_ids,
-                cumulative_logprob=c.cumulative_logprob if c.logprobs is not None else None,
-                logprobs=list(c.logprobs) if c.logprobs is not None else None,
-                finish_reason=c.finish_reason,
-                stop_reason=c.stop_reason,
-            )
-            for i, c in enumerate(parent.children)
-        ]
-        finished = all(c.finished for c in parent.children)
-        if finished:
+    def _output(self, parent: Parent) -> RequestOutput:
+        out = parent.output()
+        if out.finished:
             del self.parents[parent.request_id]
-        return RequestOutput(
-            request_id=parent.request_id,
-            prompt=parent.prompt,
-            prompt_token_ids=first.prompt_token_ids,
-            prompt_logprobs=first.prompt_logprobs,
-            outputs=outputs,
-            finished=finished,
-            num_cached_tokens=max(0, first.num_cached_tokens),
-        )
+        return out
 
     def stats(self) -> dict[str, Any]:
         return {

@@ -69,6 +69,17 @@ def safetensors_files(path: Path) -> list[Path]:
     return files
 
 
+def resolve_model(model: str) -> Path:
+    if model == "default":
+        from kiln.models.convert import default_model_dir
+
+        return default_model_dir()
+    path = Path(model).expanduser()
+    if not path.is_dir():
+        raise FileNotFoundError(f"model folder {model!r} does not exist (kiln never downloads from a hub)")
+    return path
+
+
 def resolve_device(device: str) -> torch.device:
     """`auto` is the GPU where there is one (as vLLM), else the CPU."""
     if device == "auto":
