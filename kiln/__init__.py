@@ -6,23 +6,26 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from kiln.engine.outputs import CompletionOutput, RequestOutput
+    from kiln.engine.output import CompletionOutput, RequestOutput
     from kiln.llm import LLM
     from kiln.sampling_params import SamplingParams
 
-__version__ = "0.1.0"
 __all__ = ["LLM", "CompletionOutput", "RequestOutput", "SamplingParams", "__version__"]
 
 # Imported on first use, so `kiln serve` starts its clock (and `kiln --help` answers) before torch loads.
 _LAZY = {
     "LLM": "kiln.llm",
-    "CompletionOutput": "kiln.engine.outputs",
-    "RequestOutput": "kiln.engine.outputs",
+    "CompletionOutput": "kiln.engine.output",
+    "RequestOutput": "kiln.engine.output",
     "SamplingParams": "kiln.sampling_params",
 }
 
 
 def __getattr__(name: str) -> Any:
+    if name == "__version__":
+        from kiln.version import VERSION
+
+        return VERSION
     if name not in _LAZY:
         raise AttributeError(f"module 'kiln' has no attribute {name!r}")
     return getattr(importlib.import_module(_LAZY[name]), name)

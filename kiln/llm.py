@@ -9,8 +9,9 @@ from typing import Any
 from tqdm import tqdm
 
 from kiln.config import EngineConfig
+from kiln.engine.chat_template import render_chat
 from kiln.engine.engine import LLMEngine
-from kiln.engine.outputs import RequestOutput
+from kiln.engine.output import RequestOutput
 from kiln.sampling_params import SamplingParams
 
 Prompt = str | list[int] | dict[str, Any]
@@ -67,15 +68,7 @@ class LLM:
         add_generation_prompt: bool = True,
         chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[int]:
-        if not messages:
-            raise ValueError("messages is empty")
-        return self.engine.tokenizer.apply_chat_template(
-            messages,
-            add_generation_prompt=add_generation_prompt,
-            tokenize=True,
-            return_dict=False,
-            **(chat_template_kwargs or {}),
-        )
+        return render_chat(self.engine.tokenizer, messages, add_generation_prompt, chat_template_kwargs)
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         done: dict[str, RequestOutput] = {}

@@ -5,7 +5,7 @@ import math
 
 import torch
 
-from kiln.engine.sampler import Draw, Sampler, SamplingMetadata
+from kiln.ops.sampler import Draw, Sampler, SamplingMetadata
 from kiln.sampling_params import SamplingParams
 
 CASES = [  # (top_k, top_p, min_p): each filter alone, and the combinations whose order matters
@@ -49,8 +49,7 @@ def check_distribution(
     expected = expected_probs(logits, top_k, top_p, min_p)
     keep = expected > 0
     params = [SamplingParams(temperature=1.0, top_k=top_k or -1, top_p=top_p, min_p=min_p)] * draws
-    n = [[0]] * draws
-    meta = SamplingMetadata.build(params, n, [[]] * draws, [None] * draws, [[]] * draws, vocab, device)
+    meta = SamplingMetadata.build(params, [None] * draws, [[]] * draws, vocab, device)
     sampler = Sampler(torch.Generator(device=device).manual_seed(1), draw=draw)
     ids = sampler(logits.to(device).expand(draws, -1).contiguous(), meta).token_ids.cpu()
     counts = torch.bincount(ids, minlength=vocab).double()

@@ -8,7 +8,6 @@ import logging
 import secrets
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from importlib.metadata import version
 from typing import Any
 
 import msgspec
@@ -18,7 +17,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from kiln.api.chat import create_chat_completion, render_chat
+from kiln.api.chat import create_chat_completion, render_messages
 from kiln.api.completions import create_completion
 from kiln.api.errors import APIError, as_api_error
 from kiln.api.protocol import (
@@ -33,6 +32,7 @@ from kiln.api.protocol import (
 )
 from kiln.config import ServeConfig
 from kiln.engine.async_engine import AsyncEngine
+from kiln.version import VERSION
 
 log = logging.getLogger(__name__)
 
@@ -101,7 +101,7 @@ class App:
         s = self.config.server
         url = f"http://{s.host}:{s.port}"
         total = time.perf_counter() - self.started
-        timings = self.engine.engine.timings
+        timings = self.engine.timings
         parts = ", ".join(f"{k.replace('_', ' ')} {v:.2f} s" for k, v in timings.items())
         parts += f", other {total - sum(timings.values()):.2f} s (imports, the server's own start)"
         log.info(
@@ -210,7 +210,7 @@ class App:
     # -- small endpoints ------------------------------------------------------------------------
 
     async def _models(self, engine: AsyncEngine, request: Request, body: None) -> ModelList:
-        root = str(engine.engine.model_path)
+        root = str(engine.model_path)
         return ModelList([ModelCard(id=self.model_name, root=root, max_model_len=engine.max_model_len)])
 
     async def _tokenize(
@@ -219,7 +219,7 @@ class App:
         if (body.prompt is None) == (body.messages is None):
             raise APIError(400, "give exactly one of prompt and messages", "prompt")
         if body.messages is not None:
-            ids = render_chat(engine.tokenizer, body.messages, body.add_generation_prompt)
+            ids = render_messages(engine.tokenizer, body.messages, body.add_generation_prompt)
         else:
             ids = engine.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
         return TokenizeResponse(len(ids), engine.max_model_len, ids)
@@ -227,7 +227,7 @@ class App:
     async def _detokenize(
         self, engine: AsyncEngine, request: Request, body: DetokenizeRequest
     ) -> DetokenizeResponse:
-        vocab = engine.engine.model.dims.vocab_size
+        vocab = engine.vocab_size
         if any(not 0 <= t < vocab for t in body.tokens):
             raise APIError(400, f"token ids must be in [0, {vocab})", "tokens")
         return DetokenizeResponse(engine.tokenizer.decode(body.tokens))
@@ -245,4 +245,4 @@ class App:
         return Response(self.engine.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     async def _version(self, request: Request) -> Response:
-        return Response(_encoder.encode({"version": version("kiln")}), media_type="application/json")
+        return Response(_encoder.encode({"version": VERSION}), media_type="application/json")

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+import functools
 import uuid
-from collections.abc import AsyncIterator
 from typing import Any
 
 from starlette.requests import Request
@@ -23,20 +23,27 @@ from kiln.api.protocol import (
     TokenLogprob,
     TopLogprob,
 )
-from kiln.api.serving import final_outputs, merged, sampling_params, sse, start_all, usage
+from kiln.api.serving import (
+    ChoiceDelta,
+    final_outputs,
+    sampling_params,
+    sse,
+    start_all,
+    stream_events,
+    usage,
+)
 from kiln.engine.async_engine import AsyncEngine
-from kiln.engine.outputs import RequestOutput
+from kiln.engine.chat_template import render_chat
 from kiln.engine.request import PositionLogprobs
 
 
-def render_chat(
+def render_messages(
     tokenizer: Any,
     messages: list[ChatMessage],
     add_generation_prompt: bool = True,
     chat_template_kwargs: dict[str, Any] | None = None,
 ) -> list[int]:
-    if not messages:
-        raise APIError(400, "messages must not be empty", "messages")
+    """The request's messages (text content parts joined) through the model's chat template."""
     plain = []
     for m in messages:
         content = m.content
@@ -45,18 +52,10 @@ def render_chat(
                 raise APIError(400, "only text content parts are supported", "messages")
             content = "".join(part.text or "" for part in content)
         plain.append({"role": m.role, "content": content or ""})
-    if tokenizer.chat_template is None:
-        raise APIError(400, "this model has no chat template; use /v1/completions", "messages")
     try:
-        return tokenizer.apply_chat_template(
-            plain,
-            add_generation_prompt=add_generation_prompt,
-            tokenize=True,
-            return_dict=False,
-            **(chat_template_kwargs or {}),
-        )
-    except Exception as e:  # jinja raises for conversations the template refuses
-        raise APIError(400, f"the chat template rejected these messages: {e}", "messages") from None
+        return render_chat(tokenizer, plain, add_generation_prompt, chat_template_kwargs)
+    except ValueError as e:
+        raise APIError(400, str(e), "messages") from None
 
 
 async def create_chat_completion(
@@ -65,15 +64,19 @@ async def create_chat_completion(
     model = engine.model_name
     if body.top_logprobs is not None and not body.logprobs:
         raise APIError(400, "top_logprobs needs logprobs set to true", "top_logprobs")
-    ids = render_chat(engine.tokenizer, body.messages, body.add_generation_prompt, body.chat_template_kwargs)
+    ids = render_messages(
+        engine.tokenizer, body.messages, body.add_generation_prompt, body.chat_template_kwargs
+    )
     k = (body.top_logprobs or 0) if body.logprobs else None
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     params = sampling_params(body, len(ids), engine.max_model_len, max_tokens, k)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     streams = start_all(engine, rid, [ids], [params])
     if body.stream:
-        include_usage = body.stream_options is not None and body.stream_options.include_usage
-        return sse(_chunks(merged(streams), rid, model, k, include_usage))
+        usage_chunk = None
+        if body.stream_options is not None and body.stream_options.include_usage:
+            usage_chunk = functools.partial(ChatCompletionChunk, id=rid, model=model)
+        return sse(stream_events(streams, 1, functools.partial(_chunks, rid, model, k), usage_chunk))
     outputs = await final_outputs(request, streams)
     if outputs is None:
         return None
@@ -107,34 +110,16 @@ def chat_logprobs(ids: list[int], positions: list[PositionLogprobs], k: int) -> 
     return ChatLogprobs(content)
 
 
-async def _chunks(
-    outputs: AsyncIterator[tuple[int, RequestOutput]],
-    rid: str,
-    model: str,
-    k: int | None,
-    include_usage: bool,
-) -> AsyncIterator[ChatCompletionChunk]:
-    sent: dict[int, tuple[int, int]] = {}  # choice index -> (characters, tokens) already sent
-    final: RequestOutput | None = None
-    async for _, out in outputs:
-        choices = []
-        for c in out.outputs:
-            if c.index not in sent:  # as OpenAI: a chunk with the role alone opens each choice
-                sent[c.index] = (0, 0)
-                role = ChatChunkChoice(c.index, Delta(role="assistant", content=""))
-                yield ChatCompletionChunk(id=rid, model=model, choices=[role])
-            chars, tokens = sent[c.index]
-            if len(c.text) == chars and len(c.token_ids) == tokens and not c.finished:
-                continue
-            logprobs = None
-            if k is not None:
-                logprobs = chat_logprobs(c.token_ids[tokens:], (c.logprobs or [])[tokens:], k)
-            sent[c.index] = (len(c.text), len(c.token_ids))
-            delta = Delta(content=c.text[chars:])
-            choices.append(ChatChunkChoice(c.index, delta, logprobs, c.finish_reason, c.stop_reason))
-        if out.finished:
-            final = out
-        if choices:
-            yield ChatCompletionChunk(id=rid, model=model, choices=choices)
-    if include_usage and final is not None:
-        yield ChatCompletionChunk(id=rid, model=model, choices=[], usage=usage([final]))
+def _chunks(rid: str, model: str, k: int | None, deltas: list[ChoiceDelta]) -> list[ChatCompletionChunk]:
+    out, choices = [], []
+    for d in deltas:
+        if d.first:  # as OpenAI: a chunk with the role alone opens each choice
+            role = ChatChunkChoice(d.index, Delta(role="assistant", content=""))
+            out.append(ChatCompletionChunk(id=rid, model=model, choices=[role]))
+        c = d.output
+        logprobs = None if k is None else chat_logprobs(c.token_ids, c.logprobs or [], k)
+        choices.append(
+            ChatChunkChoice(d.index, Delta(content=c.text), logprobs, c.finish_reason, c.stop_reason)
+        )
+    out.append(ChatCompletionChunk(id=rid, model=model, choices=choices))
+    return out

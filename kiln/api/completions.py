@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+import functools
 import uuid
-from collections.abc import AsyncIterator
 from typing import Any
 
 from starlette.requests import Request
@@ -16,9 +16,17 @@ from kiln.api.protocol import (
     CompletionRequest,
     CompletionResponse,
 )
-from kiln.api.serving import final_outputs, merged, sampling_params, sse, start_all, usage
+from kiln.api.serving import (
+    ChoiceDelta,
+    final_outputs,
+    sampling_params,
+    sse,
+    start_all,
+    stream_events,
+    usage,
+)
 from kiln.engine.async_engine import AsyncEngine
-from kiln.engine.outputs import CompletionOutput, RequestOutput
+from kiln.engine.output import CompletionOutput, RequestOutput
 from kiln.engine.request import PositionLogprobs
 
 
@@ -56,8 +64,11 @@ async def create_completion(
     rid = f"cmpl-{uuid.uuid4().hex}"
     streams = start_all(engine, rid, ids, params)
     if body.stream:
-        include_usage = body.stream_options is not None and body.stream_options.include_usage
-        return sse(_chunks(merged(streams), rid, model, body, texts, include_usage, engine.tokenizer))
+        usage_chunk = None
+        if body.stream_options is not None and body.stream_options.include_usage:
+            usage_chunk = functools.partial(CompletionResponse, id=rid, model=model)
+        chunks = functools.partial(_chunks, rid, model, body, texts, engine.tokenizer)
+        return sse(stream_events(streams, body.n, chunks, usage_chunk))
     outputs = await final_outputs(request, streams)
     if outputs is None:
         return None
@@ -112,42 +123,24 @@ def completion_logprobs(
     return out
 
 
-async def _chunks(
-    outputs: AsyncIterator[tuple[int, RequestOutput]],
-    rid: str,
-    model: str,
-    body: CompletionRequest,
-    texts: list[str],
-    include_usage: bool,
-    tokenizer: Any,
-) -> AsyncIterator[CompletionResponse]:
-    sent: dict[int, tuple[int, int]] = {}  # choice index -> (characters, tokens) already sent
-    finals: dict[int, RequestOutput] = {}
-    async for i, out in outputs:
-        choices = []
-        for c in out.outputs:
-            index = i * body.n + c.index
-            chars, tokens = sent.get(index, (0, 0))
-            first = index not in sent
-            if not first and len(c.text) == chars and len(c.token_ids) == tokens and not c.finished:
-                continue
-            text = c.text[chars:]
-            if first and body.echo:
-                text = texts[i] + text
-            logprobs = None
-            if body.logprobs is not None:
-                ids, entries = c.token_ids[tokens:], (c.logprobs or [])[tokens:]
-                offset = chars + (len(texts[i]) if body.echo else 0)
-                if first and body.echo:
-                    ids = out.prompt_token_ids + ids
-                    entries = (out.prompt_logprobs or [None] * len(out.prompt_token_ids)) + entries
-                    offset = 0
-                logprobs = completion_logprobs(ids, entries, body.logprobs, offset, tokenizer)
-            sent[index] = (len(c.text), len(c.token_ids))
-            choices.append(CompletionChoice(index, text, logprobs, c.finish_reason, c.stop_reason))
-        if out.finished:
-            finals[i] = out
-        if choices:
-            yield CompletionResponse(id=rid, model=model, choices=choices)
-    if include_usage:
-        yield CompletionResponse(id=rid, model=model, choices=[], usage=usage(list(finals.values())))
+def _chunks(
+    rid: str, model: str, body: CompletionRequest, texts: list[str], tokenizer: Any, deltas: list[ChoiceDelta]
+) -> list[CompletionResponse]:
+    choices = []
+    for d in deltas:
+        c, echo = d.output, d.first and body.echo
+        text = texts[d.prompt] + c.text if echo else c.text
+        logprobs = None
+        if body.logprobs is not None:
+            ids, entries = c.token_ids, c.logprobs or []
+            offset = d.offset + (len(texts[d.prompt]) if body.echo else 0)
+            if echo:
+                prompt = d.request.prompt_token_ids
+                ids, entries, offset = (
+                    prompt + ids,
+                    (d.request.prompt_logprobs or [None] * len(prompt)) + entries,
+                    0,
+                )
+            logprobs = completion_logprobs(ids, entries, body.logprobs, offset, tokenizer)
+        choices.append(CompletionChoice(d.index, text, logprobs, c.finish_reason, c.stop_reason))
+    return [CompletionResponse(id=rid, model=model, choices=choices)]

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
-from typing import Any
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 
 import msgspec
 from starlette.requests import Request
@@ -15,7 +15,7 @@ from starlette.responses import StreamingResponse
 from kiln.api.errors import APIError, as_api_error
 from kiln.api.protocol import Usage, _SamplingRequest
 from kiln.engine.async_engine import AsyncEngine, RequestStream
-from kiln.engine.outputs import RequestOutput
+from kiln.engine.output import CompletionOutput, RequestOutput, merge
 from kiln.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -117,12 +117,12 @@ async def merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, Reque
 
 
 async def final_outputs(request: Request, streams: list[RequestStream]) -> list[RequestOutput] | None:
-    """The finished output of each stream, or None if the client disconnected first (which aborts)."""
-    finals: list[Any] = [None] * len(streams)
+    """The whole output of each stream, or None if the client disconnected first (which aborts)."""
+    deltas: list[list[RequestOutput]] = [[] for _ in streams]
 
     async def run() -> None:
         async for i, out in merged(streams):
-            finals[i] = out
+            deltas[i].append(out)
 
     work = asyncio.ensure_future(run())
     gone = asyncio.ensure_future(_disconnected(request))
@@ -136,12 +136,48 @@ async def final_outputs(request: Request, streams: list[RequestStream]) -> list[
     if work.cancelled():
         return None
     work.result()
-    return finals
+    return [merge(d) for d in deltas]
 
 
 async def _disconnected(request: Request) -> None:
     while (await request.receive())["type"] != "http.disconnect":
         pass
+
+
+@dataclass(slots=True)
+class ChoiceDelta:
+    index: int  # the choice's index in the response: prompt * n + sequence
+    prompt: int  # which of the request's prompts
+    first: bool  # the choice's first delta
+    offset: int  # characters of the choice's text sent before this delta
+    output: CompletionOutput  # what is new
+    request: RequestOutput
+
+
+async def stream_events(
+    streams: list[RequestStream],
+    n: int,
+    chunks: Callable[[list[ChoiceDelta]], list[msgspec.Struct]],
+    usage_chunk: Callable[..., msgspec.Struct] | None,
+) -> AsyncIterator[msgspec.Struct]:
+    """What both endpoints stream: each engine output's choice deltas, as the endpoint's chunks; then,
+    with usage_chunk (the endpoint's chunk type), one chunk without choices that has the usage."""
+    sent: dict[int, int] = {}  # choice index -> characters sent
+    prompt_tokens: dict[int, int] = {}
+    completion_tokens = 0
+    async for i, out in merged(streams):
+        deltas = []
+        for c in out.outputs:
+            index = i * n + c.index
+            deltas.append(ChoiceDelta(index, i, index not in sent, sent.get(index, 0), c, out))
+            sent[index] = sent.get(index, 0) + len(c.text)
+            completion_tokens += len(c.token_ids)
+        prompt_tokens[i] = len(out.prompt_token_ids)
+        for chunk in chunks(deltas):
+            yield chunk
+    if usage_chunk is not None:
+        prompt = sum(prompt_tokens.values())
+        yield usage_chunk(choices=[], usage=Usage(prompt, completion_tokens, prompt + completion_tokens))
 
 
 def usage(outputs: list[RequestOutput]) -> Usage:

@@ -8,7 +8,6 @@ so a reader never sees half an entry and two processes warming one key take turn
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import datetime
 import fcntl
 import hashlib
@@ -26,15 +25,13 @@ from typing import Any
 
 import torch
 
-import kiln
 from kiln.paths import cache_root
+from kiln.version import VERSION
 
 log = logging.getLogger(__name__)
 
 ARTIFACTS = "artifacts.bin"
 MANIFEST = "manifest.json"
-# The sources whose code ends up in compiled graphs: a change to any of them is a different entry.
-_SOURCES = ("models", "ops", "compile")
 # Build caches an export carries besides torch's artifacts: FlashInfer's JIT modules (with ninja's logs,
 # so a machine with the same paths finds them up to date) and Triton's kernels launched outside Inductor.
 _BUILDS = ("flashinfer", "triton")
@@ -53,24 +50,14 @@ def point_caches(root: Path) -> None:
     os.environ["TVM_FFI_CACHE_DIR"] = str(root / "tvm-ffi")  # FlashInfer's FFI may build a torch add-on
 
 
-def key_parts(model: torch.nn.Module, dtype: torch.dtype, device: torch.device, options: dict) -> dict:
-    """Everything that changes the compiled code: a change to any part is a different key."""
-    if device.type == "cuda":
-        major, minor = torch.cuda.get_device_capability(device)
-        device_id = f"cuda:{torch.cuda.get_device_name(device)}:sm{major}{minor}"
-    else:
-        device_id = f"{device.type}:{torch.backends.cpu.get_cpu_capability()}:{platform.machine()}"
+def environment() -> dict[str, str | None]:
+    """The software a compiled graph depends on besides the model: kiln's own source, and its toolchain."""
     return {
-        "arch": model.spec.name,
-        "dims": dataclasses.asdict(model.dims),
-        "dtype": str(dtype),
-        "device": device_id,
-        "kiln": kiln.__version__,
-        "kiln_source": _source_hash(),
+        "kiln": VERSION,
+        "kiln_source": source_hash(),
         "torch": torch.__version__,
         "triton": _version("triton"),
         "python": platform.python_version(),
-        "options": options,
     }
 
 
@@ -81,13 +68,13 @@ def _version(package: str) -> str | None:
         return None
 
 
-def _source_hash() -> str:
-    root = Path(kiln.__file__).parent
+def source_hash(root: Path = Path(__file__).parents[1]) -> str:
+    """Every kiln source file, recursively: model code, ops, Triton kernels and the lowering all end up in
+    compiled graphs, and hashing the whole package leaves no folder to forget."""
     h = hashlib.sha256()
-    for sub in _SOURCES:
-        for path in sorted((root / sub).glob("*.py")):
-            h.update(path.name.encode())
-            h.update(path.read_bytes())
+    for path in sorted(root.rglob("*.py")):
+        h.update(path.relative_to(root).as_posix().encode())
+        h.update(path.read_bytes())
     return h.hexdigest()[:16]
 
 

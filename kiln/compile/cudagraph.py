@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,19 +42,21 @@ class CudaGraphs:
         self.pool: Any = None  # one memory pool, shared by every graph (they never run at once)
         self.seconds = 0.0  # spent recording, beyond the warm-up run that compiles
 
-    def capture(self, batch: int, model: torch.nn.Module, args: tuple[Any, ...]) -> torch.Tensor:
+    def capture(
+        self, batch: int, forward: Callable[..., torch.Tensor], args: tuple[Any, ...]
+    ) -> torch.Tensor:
         """Runs the step once (compiling what it needs), then records it. The runner has already planned
         the attention backend for this batch, so the recorded kernels read the planned buffers."""
         kv_caches, meta = args[2], args[3]
         static = [t.clone() for t in _step_tensors(args)]
         static_meta = AttnMetadata(*static[2:], decode_only=meta.decode_only)
         static_args = (static[0], static[1], kv_caches, static_meta)
-        model(*static_args)
+        forward(*static_args)
         torch.cuda.synchronize()
         clock = time.perf_counter()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
-            output = model(*static_args)
+            output = forward(*static_args)
         self.pool = graph.pool()
         self.seconds += time.perf_counter() - clock
         self.captured[batch] = _Graph(graph, static, output)

@@ -1,5 +1,7 @@
-"""How the model's forward runs: eagerly, or lowered by torch.compile, and the per-bucket warmup that
-builds every graph before serving.
+"""How the model's forward runs: eagerly, or lowered by torch.compile (and captured into CUDA graphs), with
+the per-bucket warmup that builds every graph before serving, through the compile cache. The lowering owns
+its graphs: it pads each step to the shape a graph was built for, and keys the cache by everything the
+graphs depend on. It wraps the model without changing it: the model's forward takes the layer step to run.
 
 CPU lowering: each decoder layer is compiled on its own (they share one code object, so dynamo traces
 one layer and every layer reuses its graph) with a dynamic token dimension. Dynamo specializes size 1,
@@ -9,24 +11,29 @@ static-per-bucket comparison that chose this)."""
 
 from __future__ import annotations
 
-import functools
+import dataclasses
+import inspect
 import logging
 import time
 import types
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from torch._dynamo.utils import counters
 from tqdm import tqdm
 
 from kiln.compile.buckets import Bucket, BucketPlan
+from kiln.compile.buffers import StepBuffers
+from kiln.compile.cache import CompileCache, environment
 from kiln.compile.cudagraph import CudaGraphs
-from kiln.config import EngineConfig
-from kiln.models.decoder import DecoderModel
-from kiln.ops.attention import AttnMetadata, has_cxx
+from kiln.models.decoder import DecoderLayer, DecoderModel
+from kiln.ops.backend import Backend
+from kiln.platform import configure_torch, describe, has_cxx
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +47,14 @@ class BucketReport:
 
     def as_dict(self) -> dict[str, str | float]:
         return {"bucket": self.bucket, "covers": self.covers, "seconds": self.seconds, "source": self.source}
+
+
+@dataclass(frozen=True, slots=True)
+class PaddedStep:
+    num_tokens: int
+    num_reqs: int
+    width: int  # block-table columns
+    graph: bool  # replays (or captures) a CUDA graph of batch num_reqs
 
 
 def compile_counters() -> dict[str, int]:
@@ -57,11 +72,11 @@ def compile_counters() -> dict[str, int]:
 
 
 class Lowering:
-    def __init__(self, model: DecoderModel, config: EngineConfig, plan: BucketPlan) -> None:
-        self.model = model
-        self.plan = plan
-        cuda = model.embed.weight.device.type == "cuda"
-        self.mode = config.compile.mode
+    def __init__(self, model: DecoderModel, mode: str, plan: BucketPlan, backend: Backend) -> None:
+        self.model, self.plan, self.backend = model, plan, backend
+        self.device = model.embed.weight.device
+        cuda = self.device.type == "cuda"
+        self.mode = mode
         if self.mode == "auto":
             self.mode = "cudagraph" if cuda else "compiled"
         if self.mode == "compiled" and not cuda and not has_cxx():
@@ -70,22 +85,50 @@ class Lowering:
         if self.mode == "cudagraph" and not cuda:
             raise ValueError("compile mode 'cudagraph' needs a CUDA device; use 'compiled' or 'eager'")
         self.graphs = CudaGraphs() if self.mode == "cudagraph" else None
+        self._run_layer: Callable[..., Any] | None = None
         if self.mode in ("compiled", "cudagraph"):
-            # Dynamo's compile cache is per code object and process-wide: tests build many models.
-            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+            configure_torch()
             # A copy of the function with its own code object gets its own dynamo cache: this model's
             # graphs never mix with another model's in the same process (see __call__'s guard skipping).
             fn = _layer_forward
             own = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__)
-            step = torch.compile(own, dynamic=False, fullgraph=True)
-            for layer in model.layers:
-                layer.forward = functools.partial(_marked_layer, step, layer)
+            self._run_layer = _StepDims(torch.compile(own, dynamic=False, fullgraph=True))
         self.ready = False
         self.misses = 0  # steps after ready that matched no warmed graph (each ran eagerly, never compiled)
+        self.compile_cache: CompileCache | None = None
         self._warned_outside = False
         self._skip_guards = True
 
-    def graph_batch(self, num_reqs: int, decode_only: bool) -> int | None:
+    def forward(self, *args: Any) -> torch.Tensor:
+        """The model's forward, with the compiled layer step where there is one (no guard stance)."""
+        if self._run_layer is None:
+            return self.model(*args)
+        return self.model(*args, run_layer=self._run_layer)
+
+    def pad(self, buf: StepBuffers, num_tokens: int, num_reqs: int, decode_only: bool) -> PaddedStep:
+        """Pads the step in buf to a shape a graph serves.
+
+        Shapes are kept off dynamo's size-0/1 specializations, so three graphs serve every step: the block
+        table has at least two columns, and a mixed step has at least two requests (an empty one pads). A
+        captured decode graph has fixed shapes: the step is padded to its batch with rows that write nothing
+        real (slot -1) and read one token of the padding block, and the block table is full width."""
+        if not decode_only and num_reqs == 1:
+            buf.query_start_loc[2] = num_tokens
+            buf.seq_lens[1] = 0
+            num_reqs = 2
+        graph = self._graph_batch(num_reqs, decode_only)
+        if graph is None:
+            return PaddedStep(num_tokens, num_reqs, buf.width(num_reqs), False)
+        pad = slice(num_reqs, graph)
+        buf.input_ids[pad] = 0
+        buf.positions[pad] = 0
+        buf.slot_mapping[pad] = -1
+        buf.query_start_loc[num_reqs + 1 : graph + 1] = np.arange(num_reqs + 1, graph + 1)
+        buf.seq_lens[pad] = 1
+        buf.block_table[pad] = buf.padding_block
+        return PaddedStep(graph, graph, buf.block_table.shape[1], True)
+
+    def _graph_batch(self, num_reqs: int, decode_only: bool) -> int | None:
         """The captured (or, during warmup, to be captured) CUDA graph's batch size for this step."""
         if self.graphs is None or not decode_only:
             return None
@@ -112,9 +155,9 @@ class Lowering:
         if self.graphs is not None and decode_only and num_tokens in self.graphs.captured:
             return self.graphs.replay(num_tokens, args)
         if self.graphs is not None and decode_only and not self.ready:
-            return self.graphs.capture(num_tokens, self.model, args)
+            return self.graphs.capture(num_tokens, self.forward, args)
         if not self.ready:
-            return self.model(*args)
+            return self.forward(*args)
         if self.plan.bucket(num_tokens, decode_only) is None:
             if not self._warned_outside:
                 log.warning(
@@ -125,26 +168,63 @@ class Lowering:
                 )
                 self._warned_outside = True
             with torch.compiler.set_stance("force_eager"):
-                return self.model(*args)
+                return self.forward(*args)
         # Once serving, a guard that would need a new graph runs eagerly instead of compiling; and only
         # the guards that tell the warmed graphs apart are evaluated (per layer call, the full set cost
         # more than the layer's own elementwise work on the CPU). Should a step still miss every graph,
-        # that stance raises before or between layers; a forward is idempotent (it writes the same KV
-        # slots with the same values), so the step reruns with every guard checked, and so do later ones.
-        if self._skip_guards:
-            try:
-                with torch.compiler.set_stance("eager_on_recompile", skip_guard_eval_unsafe=True):
-                    return self.model(*args)
-            except RuntimeError as e:
-                if "skip_guard_eval_unsafe" not in str(e):
-                    raise
-                log.warning("a step matched no warmed graph; checking every guard from now on: %s", e)
-                self.misses += 1
-                self._skip_guards = False
-        with torch.compiler.set_stance("eager_on_recompile"):
-            return self.model(*args)
+        # that stance raises before or between layers. A forward is idempotent (it writes the same KV
+        # slots with the same values), so the step reruns with every guard checked, and so do later
+        # ones; an error that was not a miss raises again there.
+        if not self._skip_guards:
+            with torch.compiler.set_stance("eager_on_recompile"):
+                return self.forward(*args)
+        try:
+            with torch.compiler.set_stance("eager_on_recompile", skip_guard_eval_unsafe=True):
+                return self.forward(*args)
+        except RuntimeError as miss:
+            with torch.compiler.set_stance("eager_on_recompile"):
+                out = self.forward(*args)
+            log.warning("a step matched no warmed graph; checking every guard from now on: %s", miss)
+            self.misses += 1
+            self._skip_guards = False
+            return out
 
-    def warmup(self, run: Callable[[Bucket], None], progress: bool) -> list[BucketReport]:
+    def cache_parts(self, block_size: int) -> dict[str, Any]:
+        """Everything the compiled graphs depend on: a change to any part is a different cache entry."""
+        m = self.model
+        return {
+            "arch": m.spec.name,
+            "dims": dataclasses.asdict(m.dims),
+            "dtype": str(m.embed.weight.dtype),
+            "device": describe(self.device),
+            **environment(),
+            "options": {
+                "mode": self.mode,
+                "backend": [self.backend.kernels, self.backend.attention],
+                "decode_sizes": self.plan.decode_sizes,
+                "token_sizes": self.plan.token_sizes,
+                "block_size": block_size,
+            },
+        }
+
+    def warmup(
+        self, run: Callable[[Bucket], None], block_size: int, progress: bool, cache_file: Path | None = None
+    ) -> list[BucketReport]:
+        """Builds every graph before the first request, through the compile cache: a complete entry is
+        loaded first, so Inductor finds each graph instead of compiling it; a missing or corrupt one is
+        (re)built and saved. The per-key lock makes concurrent warmups of one key take turns. `run` runs
+        one step of a bucket's shape."""
+        cache = self.compile_cache = CompileCache(self.cache_parts(block_size))
+        if cache_file is not None:
+            cache.import_file(cache_file)
+        with cache.lock():
+            loaded = cache.load()
+            reports = self._warm(run, progress)
+            if not loaded and any(r.source != "shared" for r in reports):
+                cache.save([r.as_dict() for r in reports])
+        return reports
+
+    def _warm(self, run: Callable[[Bucket], None], progress: bool) -> list[BucketReport]:
         """Runs one step per graph class, timing each and asking Inductor's counters whether it compiled,
         loaded from the cache, or reused a graph built earlier in this process."""
         reports = []
@@ -169,23 +249,24 @@ def _layer_forward(layer: torch.nn.Module, *args: Any) -> Any:
     return type(layer).forward(layer, *args)
 
 
-def _marked_layer(
-    step: Callable[..., Any],
-    layer: torch.nn.Module,
-    x: torch.Tensor,
-    residual: torch.Tensor,
-    positions: torch.Tensor,
-    cos_sin: torch.Tensor | None,
-    kv_cache: torch.Tensor,
-    meta: AttnMetadata,
-) -> Any:
-    """Marks only the step-dependent dims dynamic. Leaving every dim dynamic (dynamic=True) also made the
-    KV cache's and weights' dims symbolic, and tracing spent most of its time on them."""
-    for t in (x, residual, positions, meta.slot_mapping, meta.query_start_loc, meta.seq_lens):
-        torch._dynamo.maybe_mark_dynamic(t, 0)
-    torch._dynamo.maybe_mark_dynamic(meta.block_table, 0)
-    torch._dynamo.maybe_mark_dynamic(meta.block_table, 1)
-    return step(layer, x, residual, positions, cos_sin, kv_cache, meta)
+class _StepDims:
+    """Runs the compiled layer step with only the step-dependent dims marked dynamic, as DecoderLayer
+    declares them (STEP_DIMS, by forward's parameter names). Leaving every dim dynamic (dynamic=True) also
+    made the KV cache's and weights' dims symbolic, and tracing spent most of its time on them."""
+
+    def __init__(self, step: Callable[..., Any]) -> None:
+        self.step = step
+        names = list(inspect.signature(DecoderLayer.forward).parameters)[1:]  # after self
+        self.marks: list[tuple[int, str | None, int]] = []  # (argument, its field or None, dim)
+        for name, dims in DecoderLayer.STEP_DIMS.items():
+            fields = dims.items() if isinstance(dims, dict) else [(None, dims)]
+            self.marks += [(names.index(name), f, dim) for f, f_dims in fields for dim in f_dims]
+
+    def __call__(self, layer: torch.nn.Module, *args: Any) -> Any:
+        for index, field, dim in self.marks:
+            value = args[index] if field is None else getattr(args[index], field)
+            torch._dynamo.maybe_mark_dynamic(value, dim)
+        return self.step(layer, *args)
 
 
 @contextmanager

@@ -10,12 +10,13 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from kiln.config import EngineConfig
 from kiln.engine.engine import LLMEngine, load_tokenizer
 from kiln.engine.metrics import Metrics
-from kiln.engine.outputs import RequestOutput
+from kiln.engine.output import RequestOutput, merge
 from kiln.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -42,8 +43,8 @@ _STOP = object()
 
 @dataclass(slots=True, eq=False)
 class RequestStream:
-    """The outputs of one request, as an async iterator. Outputs are cumulative, so a reader that falls
-    behind skips straight to the newest. `close()` aborts the request if it has not finished."""
+    """The outputs of one request, as an async iterator of deltas; a reader that falls behind gets what
+    it missed merged into one. `close()` aborts the request if it has not finished."""
 
     request_id: str
     engine: AsyncEngine
@@ -59,14 +60,16 @@ class RequestStream:
     async def __anext__(self) -> RequestOutput:
         if self.finished:
             raise StopAsyncIteration
-        item = await self.queue.get()
-        while not self.queue.empty() and not isinstance(item, BaseException):
-            item = self.queue.get_nowait()
-        if isinstance(item, BaseException):
+        items = [await self.queue.get()]
+        while not self.queue.empty():
+            items.append(self.queue.get_nowait())
+        error = next((i for i in items if isinstance(i, BaseException)), None)
+        if error is not None:
             self.finished = True
-            raise item
-        self.finished = item.finished
-        return item
+            raise error
+        out = merge(items)  # type: ignore[arg-type]
+        self.finished = out.finished
+        return out
 
     def close(self) -> None:
         if not self.finished:
@@ -80,6 +83,9 @@ class AsyncEngine:
     engine: LLMEngine
     tokenizer: Any
     max_model_len: int
+    vocab_size: int
+    model_path: Path
+    timings: dict[str, float]  # start-up, by part
     metrics: Metrics
 
     def __init__(self, config: EngineConfig, model_name: str) -> None:
@@ -99,6 +105,9 @@ class AsyncEngine:
         # The event loop's own tokenizer: a fast tokenizer is not safe to share with the engine thread.
         self.tokenizer = load_tokenizer(config, self.engine.model_path)
         self.max_model_len = self.engine.max_model_len
+        self.vocab_size = self.engine.model.dims.vocab_size
+        self.model_path = self.engine.model_path
+        self.timings = self.engine.timings
         self.metrics = Metrics(model_name, self.engine.stats)
         return self
 
@@ -191,20 +200,22 @@ class AsyncEngine:
             stream = self._streams.get(out.request_id)
             if stream is None:  # aborted while the step ran
                 continue
-            num_tokens = sum(len(o.token_ids) for o in out.outputs)
-            if num_tokens > stream.num_tokens:
+            new_tokens = sum(len(o.token_ids) for o in out.outputs)
+            if new_tokens:
                 if stream.num_tokens == 0:
                     m.ttft.observe(now - stream.arrival)
                     m.prompt_tokens.inc(len(out.prompt_token_ids))
                 else:
                     m.itl.observe(now - stream.last_token_at)
-                m.generation_tokens.inc(num_tokens - stream.num_tokens)
-                stream.num_tokens, stream.last_token_at = num_tokens, now
+                m.generation_tokens.inc(new_tokens)
+                stream.num_tokens += new_tokens
+                stream.last_token_at = now
+            for o in out.outputs:
+                if o.finished:
+                    m.finished(o.finish_reason or "abort")
             if out.finished:
                 del self._streams[out.request_id]
                 m.e2e.observe(now - stream.arrival)
-                for o in out.outputs:
-                    m.finished(o.finish_reason or "abort")
             stream.queue.put_nowait(out)
 
     def _fail(self, request_id: str, error: BaseException) -> None:

@@ -35,3 +35,46 @@ def find_stop(text: str, num_new_chars: int, stops: list[str]) -> tuple[int, str
         if i != -1 and (best is None or i < best[0]):
             best = (i, stop)
     return best
+
+
+class SequenceText:
+    """A sequence's output text, built token by token. While it runs, its last `hold` characters (one
+    fewer than its longest stop string) are held back: a stop string may still begin there, and the text
+    outputs show must never include what a stop later trims. The rest is settled, in pieces, so that
+    neither a step nor a delta ever copies the whole text."""
+
+    def __init__(self, detokenizer: IncrementalDetokenizer, stop: list[str]) -> None:
+        self.detokenizer = detokenizer
+        self.hold = max(0, max(map(len, stop), default=0) - 1)
+        self.settled: list[str] = []
+        self.held = ""
+        self.num_sent = 0  # settled pieces already in a delta
+
+    def add(self, token_id: int) -> str:
+        new = self.detokenizer.step([token_id])
+        self.held += new
+        return new
+
+    def find_stop(self, num_new_chars: int, stops: list[str], include: bool) -> str | None:
+        """The earliest stop string ending in the newest characters; trims the text at it."""
+        hit = find_stop(self.held, num_new_chars, stops)
+        if hit is None:
+            return None
+        start, stop = hit
+        self.held = self.held[: start + len(stop)] if include else self.held[:start]
+        return stop
+
+    def settle(self, final: bool) -> None:
+        keep = 0 if final else self.hold
+        if len(self.held) > keep:
+            cut = len(self.held) - keep
+            self.settled.append(self.held[:cut])
+            self.held = self.held[cut:]
+
+    def delta(self) -> str:
+        new = "".join(self.settled[self.num_sent :])
+        self.num_sent = len(self.settled)
+        return new
+
+    def whole(self) -> str:
+        return "".join(self.settled) + self.held

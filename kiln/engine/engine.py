@@ -11,19 +11,20 @@ import msgspec
 import torch
 from transformers import AutoTokenizer, GenerationConfig
 
-from kiln.compile.cache import CompileCache, key_parts, point_caches
+from kiln.compile.cache import CompileCache, point_caches
 from kiln.compile.lowering import BucketReport
 from kiln.config import EngineConfig
 from kiln.engine.block_manager import BlockManager
-from kiln.engine.detokenizer import IncrementalDetokenizer, find_stop
+from kiln.engine.detokenizer import IncrementalDetokenizer, SequenceText
 from kiln.engine.memory import kv_cache_blocks
-from kiln.engine.outputs import Parent, RequestOutput, logprob_dicts
+from kiln.engine.output import OutputProcessor, Parent, RequestOutput
 from kiln.engine.request import Request
-from kiln.engine.runner import ModelRunner, StepResult
+from kiln.engine.runner import ModelRunner
 from kiln.engine.scheduler import Scheduler
-from kiln.models.loader import inspect_model, load_model, resolve_device, resolve_model
-from kiln.ops.backend import choose_backend, kernels_for
+from kiln.models.loader import inspect_model, load_model, resolve_model
+from kiln.ops.backend import choose_backend
 from kiln.paths import cache_root
+from kiln.platform import resolve_device
 from kiln.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -45,21 +46,23 @@ class LLMEngine:
         point_caches(cache_root())
         b = config.backend
         _, dims, dtype = inspect_model(path, config.model.dtype)
-        self.backend = choose_backend(b.kernels, b.attention, b.sampler, device, dims.head_dim, dtype)
-        self.model = load_model(path, config.model.dtype, device, kernels_for(self.backend))
-        self.timings = {"weights": time.perf_counter() - clock}
-        clock = time.perf_counter()
-        self.tokenizer = load_tokenizer(config, path)
-        self.timings["tokenizer"] = time.perf_counter() - clock
-        clock = time.perf_counter()
-        self.model_path = path
-        dims = self.model.dims
         self.max_model_len = config.model.max_model_len or dims.max_positions
         if self.max_model_len > dims.max_positions:
             raise ValueError(
                 f"max_model_len {self.max_model_len} exceeds the model's max_position_embeddings "
                 f"{dims.max_positions}"
             )
+        self.backend = choose_backend(b.kernels, b.attention, b.sampler, device, dims.head_dim, dtype)
+        attention = self.backend.make_attention(
+            dims, config.cache.block_size, self.max_model_len, dtype, device
+        )
+        self.model = load_model(path, config.model.dtype, device, self.backend.layer_kernels(), attention)
+        self.timings = {"weights": time.perf_counter() - clock}
+        clock = time.perf_counter()
+        self.tokenizer = load_tokenizer(config, path)
+        self.timings["tokenizer"] = time.perf_counter() - clock
+        clock = time.perf_counter()
+        self.model_path = path
         self.runner = ModelRunner(self.model, config, self.max_model_len, self.backend)
         self.timings["KV cache"] = time.perf_counter() - clock
         num_blocks = kv_cache_blocks(config, self.runner, self.max_model_len, self.timings)
@@ -70,7 +73,9 @@ class LLMEngine:
         )
         self.scheduler = Scheduler(config.scheduler, self.block_manager)
         self.eos_token_ids = self._eos_ids(path)
-        self.parents: dict[str, Parent] = {}
+        self.output = OutputProcessor(
+            self.tokenizer, self.eos_token_ids, self.max_model_len, self.scheduler.finish
+        )
         self.timings["KV cache"] += time.perf_counter() - clock
         log.info(
             "engine ready: %s (%s), %d KV blocks of %d tokens, max_model_len %d; kernels %s, attention %s, "
@@ -86,31 +91,12 @@ class LLMEngine:
         )
 
     def warmup(self, progress: bool = False) -> list[BucketReport]:
-        """Builds every graph before the first request, through the compile cache: a complete entry is
-        loaded first, so Inductor finds each graph instead of compiling it; a missing or corrupt one is
-        (re)built and saved. The per-key lock makes concurrent warmups of one key take turns."""
+        """Builds every graph and kernel before the first request (ModelRunner.warmup), timing each part."""
         clock = time.perf_counter()
         cuda = self.runner.device.type == "cuda"
         reserved = torch.cuda.memory_reserved(self.runner.device) / 2**30 if cuda else 0.0
-        compile_config = self.config.compile
-        options = {
-            "mode": self.runner.lowering.mode,
-            "backend": [self.backend.kernels, self.backend.attention],
-            "decode_sizes": self.runner.lowering.plan.decode_sizes,
-            "token_sizes": self.runner.lowering.plan.token_sizes,
-        }
-        cache = CompileCache(key_parts(self.model, self.runner.dtype, self.runner.device, options))
-        if compile_config.cache_file is not None:
-            cache.import_file(Path(compile_config.cache_file))
-        with cache.lock():
-            loaded = cache.load()
-            reports = self.runner.lowering.warmup(self.runner.warm_step, progress)
-            sampler_clock = time.perf_counter()
-            self.runner.warm_sampler()
-            sampler = time.perf_counter() - sampler_clock
-            if not loaded and any(r.source != "shared" for r in reports):
-                cache.save([r.as_dict() for r in reports])
-        self.compile_cache = cache
+        cache_file = self.config.compile.cache_file
+        reports, sampler = self.runner.warmup(progress, None if cache_file is None else Path(cache_file))
         graphs = self.runner.lowering.graphs
         capture = graphs.seconds if graphs is not None else 0.0
         self.timings["compile"] = time.perf_counter() - clock - capture - sampler
@@ -120,6 +106,12 @@ class LLMEngine:
                      torch.cuda.memory_reserved(self.runner.device) / 2**30 - reserved)  # fmt: skip
         self.timings["sampler"] = sampler
         return reports
+
+    @property
+    def compile_cache(self) -> CompileCache:
+        cache = self.runner.lowering.compile_cache
+        assert cache is not None, "warmup() makes the compile cache entry"
+        return cache
 
     def _eos_ids(self, path: Path) -> set[int]:
         ids = {self.tokenizer.eos_token_id} - {None}
@@ -160,7 +152,7 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> None:
         """Validates, then queues; raises ValueError (and queues nothing) for a bad prompt or params."""
-        if request_id in self.parents:
+        if request_id in self.output.parents:
             raise ValueError(f"request id {request_id!r} is already in use")
         self.check_params(params)
         ids = self.tokenize(prompt)
@@ -178,7 +170,8 @@ class LLMEngine:
             )
             child_id = f"{request_id}-{i}" if params.n > 1 else request_id
             children.append(self._request(child_id, request_id, ids, p))
-        self.parents[request_id] = Parent(request_id, prompt if isinstance(prompt, str) else None, children)
+        parent = Parent(request_id, prompt if isinstance(prompt, str) else None, children)
+        self.output.parents[request_id] = parent
         for child in children:
             self.scheduler.add(child)
 
@@ -198,7 +191,7 @@ class LLMEngine:
             token_ids=list(ids),
             num_prompt_tokens=len(ids),
             max_tokens=p.max_tokens or self.max_model_len - len(ids),
-            detokenizer=IncrementalDetokenizer(self.tokenizer, ids, p.skip_special_tokens),
+            text=SequenceText(IncrementalDetokenizer(self.tokenizer, ids, p.skip_special_tokens), p.stop),
             generator=generator,
             min_tokens_banned=banned,
             logprobs=[] if p.logprobs is not None else None,
@@ -206,7 +199,7 @@ class LLMEngine:
         )
 
     def abort(self, request_id: str) -> None:
-        parent = self.parents.pop(request_id, None)
+        parent = self.output.parents.pop(request_id, None)
         for child in parent.children if parent else []:
             if not child.finished:
                 self.scheduler.finish(child)
@@ -218,8 +211,8 @@ class LLMEngine:
     # -- the step -----------------------------------------------------------------------------
 
     def step(self, final_only: bool = False) -> list[RequestOutput]:
-        """One engine step; the cumulative outputs of the requests it advanced. With final_only (vLLM's
-        FINAL_ONLY output kind, for callers that don't stream) only finished requests' outputs are built."""
+        """One engine step: schedule, execute, then the outputs of the requests it advanced (deltas; with
+        final_only, only the whole outputs of requests it finished)."""
         batch = self.scheduler.schedule()
         if not batch.requests:
             return []
@@ -227,69 +220,7 @@ class LLMEngine:
         for req, n in zip(batch.requests, batch.num_new_tokens, strict=True):
             req.num_computed_tokens += n
             self.block_manager.cache_full_blocks(req)
-        touched = self._update(result)
-        return [self._output(p) for p in touched if not final_only or p.finished]
-
-    def _update(self, result: StepResult) -> list[Parent]:
-        for req, pl in result.prompt_logprobs.items():
-            assert req.prompt_logprobs is not None
-            ks = [req.params.prompt_logprobs or 0] * len(pl.ranks)
-            del req.prompt_logprobs[pl.first_position + 1 :]  # a preempted request scores its prompt again
-            req.prompt_logprobs += logprob_dicts(
-                self.tokenizer, pl.ids.tolist(), pl.logprobs.tolist(), pl.ranks.tolist(), ks
-            )
-        out = result.output
-        if out is None:
-            return []
-        tokens = out.token_ids.tolist()
-        if out.logprobs is not None:
-            ks = [r.params.logprobs or 0 for r in result.sampled]
-            rows = logprob_dicts(
-                self.tokenizer, out.logprob_token_ids.tolist(), out.logprobs.tolist(), out.ranks.tolist(), ks
-            )
-        touched: dict[str, Parent] = {}
-        for i, (req, token) in enumerate(zip(result.sampled, tokens, strict=True)):
-            req.token_ids.append(token)
-            if req.logprobs is not None:
-                req.logprobs.append(rows[i])
-                req.cumulative_logprob += rows[i][token].logprob
-            self._check_stop(req, token)
-            touched[req.parent_id] = self.parents[req.parent_id]
-        return list(touched.values())
-
-    def _check_stop(self, req: Request, token: int) -> None:
-        p = req.params
-        reason: tuple[str, int | str | None] | None = None
-        if req.num_output_tokens >= p.min_tokens:
-            if not p.ignore_eos and token in self.eos_token_ids:
-                reason = ("stop", None)
-            elif token in p.stop_token_ids:
-                reason = ("stop", token)
-        # As vLLM: the text of a stop token is left out unless include_stop_str_in_output.
-        if reason is None or p.include_stop_str_in_output:
-            new_text = req.detokenizer.step([token])
-            req.text += new_text
-            if reason is None and p.stop and req.num_output_tokens >= p.min_tokens:
-                hit = find_stop(req.text, len(new_text), p.stop)
-                if hit is not None:
-                    start, stop = hit
-                    req.text = (
-                        req.text[: start + len(stop)] if p.include_stop_str_in_output else req.text[:start]
-                    )
-                    reason = ("stop", stop)
-        if reason is None and (
-            req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.max_model_len
-        ):
-            reason = ("length", None)
-        if reason is not None:
-            req.finish_reason, req.stop_reason = reason
-            self.scheduler.finish(req)
-
-    def _output(self, parent: Parent) -> RequestOutput:
-        out = parent.output()
-        if out.finished:
-            del self.parents[parent.request_id]
-        return out
+        return self.output.process(result, final_only)
 
     def stats(self) -> dict[str, Any]:
         return {

@@ -5,7 +5,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kiln.engine.detokenizer import IncrementalDetokenizer
+from kiln.engine.detokenizer import SequenceText
 from kiln.sampling_params import SamplingParams
 
 
@@ -37,7 +37,7 @@ class Request:
     token_ids: list[int]
     num_prompt_tokens: int
     max_tokens: int
-    detokenizer: IncrementalDetokenizer
+    text: SequenceText
     generator: torch.Generator | None = None
     min_tokens_banned: list[int] = field(default_factory=list)  # EOS and stop ids, until min_tokens
     status: Status = Status.WAITING
@@ -46,7 +46,7 @@ class Request:
     block_ids: list[int] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)
     num_registered_blocks: int = 0  # leading blocks already offered to the prefix cache
-    text: str = ""
+    num_sent_tokens: int = 0  # output tokens (and logprob rows) already in an output
     logprobs: list[PositionLogprobs] | None = None
     prompt_logprobs: list[PositionLogprobs | None] | None = None
     cumulative_logprob: float = 0.0

@@ -4,21 +4,24 @@ from __future__ import annotations
 
 import itertools
 import logging
-from collections.abc import Callable
+import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
 
 from kiln.compile.buckets import Bucket, BucketPlan
-from kiln.compile.lowering import Lowering
+from kiln.compile.buffers import StepBuffers
+from kiln.compile.lowering import BucketReport, Lowering
 from kiln.config import EngineConfig
 from kiln.engine.request import Request
-from kiln.engine.sampler import Draw, Sampler, SamplerOutput, SamplingMetadata, compute_logprobs
 from kiln.engine.scheduler import ScheduledBatch
+from kiln.engine.token_counts import TokenCounts
 from kiln.models.decoder import DecoderModel
 from kiln.ops.attention import AttnMetadata, StepLayout
-from kiln.ops.backend import TORCH_BACKEND, BackendChoice
+from kiln.ops.backend import TORCH_BACKEND, Backend
+from kiln.ops.sampler import Penalties, Sampler, SamplerOutput, SamplingMetadata, compute_logprobs
 from kiln.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -45,40 +48,24 @@ class ModelRunner:
         model: DecoderModel,
         config: EngineConfig,
         max_model_len: int,
-        backend: BackendChoice = TORCH_BACKEND,
+        backend: Backend = TORCH_BACKEND,
     ) -> None:
-        """The KV cache comes later (allocate_kv): on a GPU it is sized by profiling this runner's steps."""
+        """The model comes built with the backend's kernels and attention; the KV cache comes later
+        (allocate_kv): on a GPU it is sized by profiling this runner's steps."""
         self.model = model
         self.device = model.embed.weight.device
         self.dtype = model.embed.weight.dtype
         self.block_size = config.cache.block_size
         self.max_model_len = max_model_len
-        self.padding_block = 0
         self.kv_caches: list[torch.Tensor] = []
-        d = model.dims
-        max_tokens = config.scheduler.max_num_batched_tokens
-        max_seqs = self.max_num_seqs = config.scheduler.max_num_seqs
-        max_blocks = -(-max_model_len // self.block_size)
-        # Host staging buffers, allocated once; each step fills a prefix of them.
-        self.input_ids = np.zeros(max_tokens, dtype=np.int64)
-        self.positions = np.zeros(max_tokens, dtype=np.int64)
-        self.slot_mapping = np.zeros(max_tokens, dtype=np.int64)
-        # One spare row: a mixed step of one request gets an empty second one (see _forward).
-        self.query_start_loc = np.zeros(max_seqs + 2, dtype=np.int32)
-        self.seq_lens = np.zeros(max_seqs + 1, dtype=np.int32)
-        self.block_table = np.zeros((max_seqs + 1, max(max_blocks, 2)), dtype=np.int32)
-        if backend.attention == "flashinfer":
-            from kiln.ops.flashinfer_attention import FlashInferAttention
-
-            model.use_attention(
-                FlashInferAttention(
-                    d.num_heads, d.num_kv_heads, d.head_dim, self.block_size, self.dtype, self.device,
-                    self.block_table.shape[1], d.head_dim**-0.5, d.sliding_window,
-                )
-            )  # fmt: skip
+        self.max_num_seqs = config.scheduler.max_num_seqs
+        self.buf = StepBuffers(
+            config.scheduler.max_num_batched_tokens, self.max_num_seqs, max_model_len, self.block_size
+        )
         generator = torch.Generator(device=self.device).manual_seed(config.model.seed)
-        self.sampler = Sampler(generator, *_sampling_ops(backend))
-        self.lowering = Lowering(model, config, BucketPlan.from_config(config))
+        self.sampler = Sampler(generator, *backend.sampler_ops())
+        self.token_counts = TokenCounts(model.dims.vocab_size, self.device)
+        self.lowering = Lowering(model, config.compile.mode, BucketPlan.from_config(config), backend)
 
     def allocate_kv(self, num_blocks: int) -> None:
         """One block more than the block manager hands out: padding slots (-1) land there (see write_kv)."""
@@ -88,7 +75,7 @@ class ModelRunner:
         self.kv_caches = [
             torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(d.num_layers)
         ]
-        self.padding_block = num_blocks
+        self.buf.padding_block = num_blocks
 
     def _tensor(self, array: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(array)).to(self.device, non_blocking=True)
@@ -101,18 +88,19 @@ class ModelRunner:
         cu = np.concatenate([[0], np.cumsum(num_new)])
 
         # Per request, not per token: copy its new tokens and its block table row.
+        buf = self.buf
         for i, r in enumerate(reqs):
-            self.input_ids[cu[i] : cu[i + 1]] = r.token_ids[starts[i] : starts[i] + num_new[i]]
-            self.block_table[i, : len(r.block_ids)] = r.block_ids
+            buf.input_ids[cu[i] : cu[i + 1]] = r.token_ids[starts[i] : starts[i] + num_new[i]]
+            buf.block_table[i, : len(r.block_ids)] = r.block_ids
         req_of_token = np.repeat(np.arange(num_reqs), num_new)
         positions = np.arange(num_tokens) - cu[req_of_token] + starts[req_of_token]
-        self.positions[:num_tokens] = positions
-        self.slot_mapping[:num_tokens] = (
-            self.block_table[req_of_token, positions // self.block_size] * self.block_size
+        buf.positions[:num_tokens] = positions
+        buf.slot_mapping[:num_tokens] = (
+            buf.block_table[req_of_token, positions // self.block_size] * self.block_size
             + positions % self.block_size
         )
-        self.query_start_loc[: num_reqs + 1] = cu
-        self.seq_lens[:num_reqs] = starts + num_new
+        buf.query_start_loc[: num_reqs + 1] = cu
+        buf.seq_lens[:num_reqs] = starts + num_new
         hidden = self._forward(num_tokens, num_reqs, bool((num_new == 1).all()))
 
         sampling = [i for i, r in enumerate(reqs) if starts[i] + num_new[i] == r.num_tokens]
@@ -121,19 +109,17 @@ class ModelRunner:
             return StepResult([], None, prompt_logprobs)
         sampled = [reqs[i] for i in sampling]
         logits = self.model.compute_logits(hidden[self._tensor(cu[1:][sampling] - 1)])
-        # A request's history is copied only when a penalty reads it: per-step work stays per new token.
-        history = any(r.params.uses_penalties for r in sampled)
-        no_ids: list[list[int]] = [[]] * len(sampled)
-        meta_s = SamplingMetadata.build(
+        meta = SamplingMetadata.build(
             [r.params for r in sampled],
-            [r.prompt_token_ids for r in sampled] if history else no_ids,
-            [r.output_token_ids for r in sampled] if history else no_ids,
             [r.generator for r in sampled],
             [r.banned_ids for r in sampled],
             logits.shape[-1],
             self.device,
+            self.token_counts.penalties(sampled),
         )
-        return StepResult(sampled, self.sampler(logits, meta_s), prompt_logprobs)
+        out = self.sampler(logits, meta)
+        self.token_counts.update(out.token_ids)
+        return StepResult(sampled, out, prompt_logprobs)
 
     def _forward(self, num_tokens: int, num_reqs: int, decode_only: bool) -> torch.Tensor:
         """Runs the model on the first num_tokens/num_reqs entries of the staging buffers."""
@@ -141,46 +127,36 @@ class ModelRunner:
         return self.lowering(num_tokens, decode_only, *args)
 
     def step_inputs(self, num_tokens: int, num_reqs: int, decode_only: bool) -> tuple[int, tuple]:
-        """Plans the attention backend and returns the model's arguments (and the padded token count).
-
-        Shapes are kept off dynamo's size-0/1 specializations, so three graphs serve every step: the block
-        table has at least two columns, and a mixed step has at least two requests (an empty one pads)."""
-        if not decode_only and num_reqs == 1:
-            self.query_start_loc[2] = num_tokens
-            self.seq_lens[1] = 0
-            num_reqs = 2
-        width = max(2, -(-int(self.seq_lens[:num_reqs].max()) // self.block_size))
-        graph = self.lowering.graph_batch(num_reqs, decode_only)
-        if graph is not None:
-            # A captured decode graph has fixed shapes: pad to its batch with rows that write nothing
-            # real (slot -1) and read one token of the padding block; the block table is full width.
-            pad = slice(num_reqs, graph)
-            self.input_ids[pad] = 0
-            self.positions[pad] = 0
-            self.slot_mapping[pad] = -1
-            self.query_start_loc[num_reqs + 1 : graph + 1] = np.arange(num_reqs + 1, graph + 1)
-            self.seq_lens[pad] = 1
-            self.block_table[pad] = self.padding_block
-            num_tokens = num_reqs = graph
-            width = self.block_table.shape[1]
-        self.model.attention.plan(
-            StepLayout(
-                self.query_start_loc[: num_reqs + 1],
-                self.seq_lens[:num_reqs],
-                self.block_table[:num_reqs, :width],
-                decode_only,
-                graph is not None,
-            )
+        """Pads the step (the lowering's shapes), plans the attention backend and returns the model's
+        arguments (and the padded token count)."""
+        buf = self.buf
+        step = self.lowering.pad(buf, num_tokens, num_reqs, decode_only)
+        num_tokens, num_reqs = step.num_tokens, step.num_reqs
+        layout = StepLayout(
+            buf.query_start_loc[: num_reqs + 1],
+            buf.seq_lens[:num_reqs],
+            buf.block_table[:num_reqs, : step.width],
+            decode_only,
+            step.graph,
         )
+        self.model.attention.plan(layout)
         meta = AttnMetadata(
-            slot_mapping=self._tensor(self.slot_mapping[:num_tokens]),
-            query_start_loc=self._tensor(self.query_start_loc[: num_reqs + 1]),
-            seq_lens=self._tensor(self.seq_lens[:num_reqs]),
-            block_table=self._tensor(self.block_table[:num_reqs, :width]),
+            slot_mapping=self._tensor(buf.slot_mapping[:num_tokens]),
+            query_start_loc=self._tensor(layout.query_start_loc),
+            seq_lens=self._tensor(layout.seq_lens),
+            block_table=self._tensor(layout.block_table),
             decode_only=decode_only,
         )
-        ids, positions = self._tensor(self.input_ids[:num_tokens]), self._tensor(self.positions[:num_tokens])
+        ids, positions = self._tensor(buf.input_ids[:num_tokens]), self._tensor(buf.positions[:num_tokens])
         return num_tokens, (ids, positions, self.kv_caches, meta)
+
+    def warmup(self, progress: bool, cache_file: Path | None) -> tuple[list[BucketReport], float]:
+        """Builds every graph (the lowering's warmup, through the compile cache), then every sampling
+        kernel; returns the per-bucket reports and the sampler's seconds."""
+        reports = self.lowering.warmup(self.warm_step, self.block_size, progress, cache_file)
+        clock = time.perf_counter()
+        self.warm_sampler()
+        return reports, time.perf_counter() - clock
 
     @torch.inference_mode()
     def warm_step(self, bucket: Bucket) -> None:
@@ -201,13 +177,13 @@ class ModelRunner:
             q_lens = [chunk] * (prefill // chunk) + [prefill % chunk] * (prefill % chunk > 0)
             q_lens = q_lens[: self.max_num_seqs - decode_rows] + [1] * decode_rows
         cu = np.concatenate([[0], np.cumsum(q_lens)])
-        n, size = len(q_lens), int(cu[-1])
-        self.input_ids[:size] = 0
-        self.positions[:size] = 0
-        self.slot_mapping[:size] = -1
-        self.query_start_loc[: n + 1] = cu
-        self.seq_lens[:n] = q_lens
-        self.block_table[:n] = 0
+        n, size, buf = len(q_lens), int(cu[-1]), self.buf
+        buf.input_ids[:size] = 0
+        buf.positions[:size] = 0
+        buf.slot_mapping[:size] = -1
+        buf.query_start_loc[: n + 1] = cu
+        buf.seq_lens[:n] = q_lens
+        buf.block_table[:n] = 0
         return size, n
 
     @torch.inference_mode()
@@ -224,9 +200,8 @@ class ModelRunner:
         vocab = self.model.dims.vocab_size
         p = SamplingParams(temperature=1.0, top_k=5, top_p=0.9, min_p=0.01, repetition_penalty=1.1)
         empty: list[list[int]] = [[]] * rows
-        meta = SamplingMetadata.build(
-            [p] * rows, [[0]] * rows, empty, [None] * rows, empty, vocab, self.device
-        )
+        penalties = Penalties.from_ids([p] * rows, [[0]] * rows, empty, vocab, self.device)
+        meta = SamplingMetadata.build([p] * rows, [None] * rows, empty, vocab, self.device, penalties)
         self._throwaway_sampler()(torch.zeros(rows, vocab, device=self.device), meta)
 
     def _throwaway_sampler(self) -> Sampler:
@@ -253,7 +228,8 @@ class ModelRunner:
                 logit_bias={0: 1.0} if bias else None,
             )
             ban = [[1]] * 2 if banned else [[]] * 2
-            meta = SamplingMetadata.build([p] * 2, [[0]] * 2, [[]] * 2, [None] * 2, ban, vocab, self.device)
+            penalties = Penalties.from_ids([p] * 2, [[0]] * 2, [[]] * 2, vocab, self.device)
+            meta = SamplingMetadata.build([p] * 2, [None] * 2, ban, vocab, self.device, penalties)
             throwaway(torch.zeros(2, vocab, device=self.device), meta)
 
     def _prompt_logprobs(
@@ -276,13 +252,3 @@ class ModelRunner:
             targets = torch.tensor(r.token_ids[start + 1 : end + 1], device=self.device)
             out[r] = PromptLogprobs(start, *compute_logprobs(logits, targets, k))
         return out
-
-
-def _sampling_ops(backend: BackendChoice) -> tuple[Callable | None, Draw | None]:
-    """The sampler's prepare and draw steps for the chosen backend (None: the torch reference)."""
-    prepare = draw = None
-    if backend.kernels == "triton":
-        from kiln.ops.triton.sampling import prepare_logits as prepare
-    if backend.sampler == "flashinfer":
-        from kiln.ops.flashinfer_sampling import draw_tokens as draw
-    return prepare, draw

@@ -1,6 +1,8 @@
 """One generic decoder, built from an ArchSpec and its ModelDims. Read top to bottom: embed, layers, norm."""
 
 import logging
+from collections.abc import Callable
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -8,12 +10,13 @@ from torch import nn
 
 from kiln.models.spec import ArchSpec, ModelDims
 from kiln.ops.activation import ACTIVATIONS
-from kiln.ops.attention import TORCH_ATTENTION, AttentionBackend, AttnMetadata
+from kiln.ops.attention import TORCH_ATTENTION, AttentionImpl, AttnMetadata
 from kiln.ops.backend import TORCH_KERNELS, Kernels
-from kiln.ops.linear import Linear, native_matmul_dtypes
+from kiln.ops.linear import Linear
 from kiln.ops.moe import route
 from kiln.ops.norm import layer_norm
 from kiln.ops.rotary import rope_cos_sin, rope_inv_freq
+from kiln.platform import native_matmul_dtypes
 
 log = logging.getLogger(__name__)
 
@@ -38,12 +41,9 @@ class Norm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, d: ModelDims, kernels: Kernels) -> None:
+    def __init__(self, d: ModelDims, kernels: Kernels, impl: AttentionImpl) -> None:
         super().__init__()
-        self.kernels = kernels
-        self.backend: AttentionBackend = (
-            TORCH_ATTENTION  # the runner sets its own (DecoderModel.use_attention)
-        )
+        self.kernels, self.impl = kernels, impl
         self.num_heads, self.num_kv_heads, self.head_dim = d.num_heads, d.num_kv_heads, d.head_dim
         self.q_size, self.kv_size = d.num_heads * d.head_dim, d.num_kv_heads * d.head_dim
         self.qkv = Linear(d.hidden_size, self.q_size + 2 * self.kv_size, bias=d.qkv_bias)
@@ -69,7 +69,7 @@ class Attention(nn.Module):
             q, k = self.q_norm(q)[0], self.k_norm(k)[0]
         if cos_sin is not None:
             q, k = self.kernels.apply_rotary(positions, q, k, cos_sin)
-        o = self.backend.forward(q, k, v, kv_cache, meta, self.scale, self.sliding_window)
+        o = self.impl.forward(q, k, v, kv_cache, meta, self.scale, self.sliding_window)
         return self.o(o.flatten(1))
 
 
@@ -112,10 +112,20 @@ class MoE(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, spec: ArchSpec, d: ModelDims, index: int, kernels: Kernels) -> None:
+    # forward's arguments whose dims change from step to step (the lowering compiles them dynamic).
+    STEP_DIMS: ClassVar[dict[str, Any]] = {
+        "x": (0,),
+        "residual": (0,),
+        "positions": (0,),
+        "meta": AttnMetadata.STEP_DIMS,
+    }
+
+    def __init__(
+        self, spec: ArchSpec, d: ModelDims, index: int, kernels: Kernels, attention: AttentionImpl
+    ) -> None:
         super().__init__()
         self.attn_norm = Norm(spec.norm, d.hidden_size, d.norm_eps, kernels)
-        self.attn = Attention(d, kernels)
+        self.attn = Attention(d, kernels, attention)
         self.mlp_norm = Norm(spec.norm, d.hidden_size, d.norm_eps, kernels)
         dense = GatedMLP if spec.mlp == "gated" else PlainMLP
         self.mlp = MoE(d, kernels) if d.is_moe_layer(index) else dense(d, kernels)
@@ -135,13 +145,23 @@ class DecoderLayer(nn.Module):
         return self.mlp(h), residual
 
 
+# Calls one decoder layer: the module's own __call__, or the lowering's compiled layer step.
+RunLayer = Callable[..., tuple[torch.Tensor, torch.Tensor]]
+
+
 class DecoderModel(nn.Module):
-    def __init__(self, spec: ArchSpec, d: ModelDims, kernels: Kernels = TORCH_KERNELS) -> None:
+    def __init__(
+        self,
+        spec: ArchSpec,
+        d: ModelDims,
+        kernels: Kernels = TORCH_KERNELS,
+        attention: AttentionImpl = TORCH_ATTENTION,
+    ) -> None:
         super().__init__()
-        self.spec, self.dims, self.kernels = spec, d, kernels
+        self.spec, self.dims, self.kernels, self.attention = spec, d, kernels, attention
         self.embed = nn.Embedding(d.vocab_size, d.hidden_size)
         self.pos_embed = nn.Embedding(d.max_positions, d.hidden_size) if spec.positions == "learned" else None
-        self.layers = nn.ModuleList(DecoderLayer(spec, d, i, kernels) for i in range(d.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(spec, d, i, kernels, attention) for i in range(d.num_layers))
         self.norm = Norm(spec.norm, d.hidden_size, d.norm_eps, kernels)
         self.lm_head = None if d.tie_word_embeddings else Linear(d.hidden_size, d.vocab_size, bias=False)
         self.cos_sin: torch.Tensor | None = None
@@ -164,20 +184,13 @@ class DecoderModel(nn.Module):
                 if isinstance(module, Linear | MoE):
                     module.compute_dtype = torch.float32
 
-    def use_attention(self, backend: AttentionBackend) -> None:
-        for layer in self.layers:
-            layer.attn.backend = backend
-
-    @property
-    def attention(self) -> AttentionBackend:
-        return self.layers[0].attn.backend
-
     def forward(
         self,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         kv_caches: list[torch.Tensor],
         meta: AttnMetadata,
+        run_layer: RunLayer = nn.Module.__call__,
     ) -> torch.Tensor:
         x = self.embed(input_ids)
         if self.pos_embed is not None:
@@ -185,7 +198,7 @@ class DecoderModel(nn.Module):
         # A zero residual rather than None, so every layer runs the same code and shares one compiled graph.
         residual = torch.zeros_like(x)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            x, residual = layer(x, residual, positions, self.cos_sin, kv_cache, meta)
+            x, residual = run_layer(layer, x, residual, positions, self.cos_sin, kv_cache, meta)
         return self.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -14,6 +14,7 @@ from transformers import AutoConfig
 from kiln.models.decoder import DecoderModel
 from kiln.models.registry import spec_for
 from kiln.models.spec import ArchSpec, ModelDims, Shard, expand, ignored, rule_applies
+from kiln.ops.attention import TORCH_ATTENTION, AttentionImpl
 from kiln.ops.backend import TORCH_KERNELS, Kernels
 
 log = logging.getLogger(__name__)
@@ -80,13 +81,6 @@ def resolve_model(model: str) -> Path:
     return path
 
 
-def resolve_device(device: str) -> torch.device:
-    """`auto` is the GPU where there is one (as vLLM), else the CPU."""
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
-
-
 def inspect_model(path: Path, dtype: str = "auto") -> tuple[ArchSpec, ModelDims, torch.dtype]:
     """The architecture, shapes and serving dtype of a model folder, without reading its weights."""
     config = load_config(path)
@@ -95,11 +89,15 @@ def inspect_model(path: Path, dtype: str = "auto") -> tuple[ArchSpec, ModelDims,
 
 
 def load_model(
-    path: Path, dtype: str = "auto", device: str | torch.device = "cpu", kernels: Kernels = TORCH_KERNELS
+    path: Path,
+    dtype: str = "auto",
+    device: str | torch.device = "cpu",
+    kernels: Kernels = TORCH_KERNELS,
+    attention: AttentionImpl = TORCH_ATTENTION,
 ) -> DecoderModel:
     spec, dims, torch_dtype = inspect_model(path, dtype)
     with torch.device("meta"):
-        model = DecoderModel(spec, dims, kernels).to(torch_dtype)
+        model = DecoderModel(spec, dims, kernels, attention).to(torch_dtype)
     model.to_empty(device=device)
     load_weights(model, spec, dims, safetensors_files(path))
     model.prepare(dims.max_positions)

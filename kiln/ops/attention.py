@@ -1,15 +1,15 @@
 import functools
 import itertools
 import logging
-import os
-import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import ClassVar, Protocol
 
 import numpy as np
 import torch
 import torch.nn.functional as F
+
+from kiln.platform import has_cxx
 
 log = logging.getLogger(__name__)
 
@@ -25,6 +25,14 @@ class AttnMetadata:
     # Every request adds one token: attention runs in the model's graph (paged_decode), not as an opaque op.
     decode_only: bool = False
 
+    # The dims that change from step to step (the lowering compiles them dynamic).
+    STEP_DIMS: ClassVar[dict[str, tuple[int, ...]]] = {
+        "slot_mapping": (0,),
+        "query_start_loc": (0,),
+        "seq_lens": (0,),
+        "block_table": (0, 1),
+    }
+
 
 @dataclass(slots=True)
 class StepLayout:
@@ -37,7 +45,21 @@ class StepLayout:
     graph: bool  # the step replays a captured CUDA graph of batch B
 
 
-class AttentionBackend(Protocol):
+class AttentionHeads(Protocol):
+    """The shape of a model's attention (ModelDims has it)."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    sliding_window: int
+
+
+def table_width(max_model_len: int, block_size: int) -> int:
+    """Block-table columns: a longest sequence's blocks, and at least two (no size-1 specialization)."""
+    return max(2, -(-max_model_len // block_size))
+
+
+class AttentionImpl(Protocol):
     """Implementations of DESIGN.md's attention seam. `plan` runs once per step, before the forward and
     outside any graph; `forward` runs once per layer, inside the compiled layer graph (an implementation
     that can't be traced is a custom op, so each layer stays one graph)."""
@@ -204,11 +226,6 @@ def paged_decode(
     probs = probs / probs.sum(dim=(1, 2), keepdim=True)
     out = (probs.unsqueeze(-1) * kv[:, :, 1].unsqueeze(-2).float()).sum(dim=(1, 2))  # [B, KVH, G, D]
     return out.reshape(batch, num_heads, dim).to(q.dtype)
-
-
-def has_cxx() -> bool:
-    """Inductor's CPU backend compiles C++: without a compiler, CPU code runs eagerly."""
-    return shutil.which(os.environ.get("CXX", "g++")) is not None or shutil.which("clang++") is not None
 
 
 @functools.cache

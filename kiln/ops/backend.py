@@ -1,6 +1,7 @@
-"""Which implementation runs each op: the torch references (any device), or Triton kernels and FlashInfer
-(CUDA). `auto` takes the CUDA ones where the device is CUDA and they import; nothing imports FlashInfer
-or Triton on a machine that picks torch."""
+"""The backend: which implementation runs each op, chosen once from the config and the device
+(`choose_backend`), then handed to the model, the runner and the sampler as they are built. The torch
+references run anywhere; Triton kernels and FlashInfer run on CUDA. `auto` takes the CUDA ones where the
+device is CUDA and they import; nothing imports FlashInfer or Triton on a machine that picks torch."""
 
 from __future__ import annotations
 
@@ -12,7 +13,9 @@ from dataclasses import dataclass
 
 import torch
 
-from kiln.ops import activation, moe, norm, rotary
+from kiln.ops import activation, moe, norm, rotary, sampler
+from kiln.ops.attention import TORCH_ATTENTION, AttentionHeads, AttentionImpl, table_width
+from kiln.ops.sampler import Draw, Prepare
 
 log = logging.getLogger(__name__)
 
@@ -43,13 +46,40 @@ def triton_kernels() -> Kernels:
 
 
 @dataclass(frozen=True, slots=True)
-class BackendChoice:
-    kernels: str  # "torch" | "triton"
+class Backend:
+    kernels: str  # "torch" | "triton": the ops a layer calls around attention, and the sampler's prepare
     attention: str  # "torch" | "flashinfer"
-    sampler: str  # "torch" | "flashinfer"
+    sampler: str  # "torch" | "flashinfer": the sampler's draw
+
+    def layer_kernels(self) -> Kernels:
+        return triton_kernels() if self.kernels == "triton" else TORCH_KERNELS
+
+    def make_attention(
+        self, heads: AttentionHeads, block_size: int, max_model_len: int, dtype: torch.dtype,
+        device: torch.device,
+    ) -> AttentionImpl:  # fmt: skip
+        if self.attention != "flashinfer":
+            return TORCH_ATTENTION
+        from kiln.ops.flashinfer_attention import FlashInferAttention
+
+        h = heads
+        return FlashInferAttention(
+            h.num_heads, h.num_kv_heads, h.head_dim, block_size, dtype, device,
+            table_width(max_model_len, block_size), h.head_dim**-0.5, h.sliding_window,
+        )  # fmt: skip
+
+    def sampler_ops(self) -> tuple[Prepare, Draw]:
+        """The sampler's prepare step (penalties, bias, temperature) and its draw."""
+        prepare: Prepare = sampler.prepare_logits
+        draw: Draw = sampler.draw_tokens
+        if self.kernels == "triton":
+            from kiln.ops.triton.sampling import prepare_logits as prepare
+        if self.sampler == "flashinfer":
+            from kiln.ops.flashinfer_sampling import draw_tokens as draw
+        return prepare, draw
 
 
-TORCH_BACKEND = BackendChoice("torch", "torch", "torch")
+TORCH_BACKEND = Backend("torch", "torch", "torch")
 
 
 def _importable(name: str) -> bool:
@@ -72,7 +102,7 @@ def flashinfer_unsupported(head_dim: int, dtype: torch.dtype) -> str | None:
 
 def choose_backend(
     kernels: str, attention: str, sampler: str, device: torch.device, head_dim: int, dtype: torch.dtype
-) -> BackendChoice:
+) -> Backend:
     """Resolves `auto` and checks explicit choices against the device and the model. Triton on a CPU is
     allowed only under TRITON_INTERPRET=1 (how its kernels are tested without a GPU)."""
     cuda = device.type == "cuda"
@@ -91,7 +121,7 @@ def choose_backend(
     unsupported = flashinfer_unsupported(head_dim, dtype)
     if attention == "flashinfer" and cuda and unsupported:
         raise ValueError(f"backend.attention 'flashinfer' cannot serve this model's {unsupported}")
-    choice = BackendChoice(
+    choice = Backend(
         kernels=pick("kernels", kernels, "triton", has_triton, cuda or interpret),
         attention=pick("attention", attention, "flashinfer", has_flashinfer and not unsupported, cuda),
         sampler=pick("sampler", sampler, "flashinfer", has_flashinfer, cuda),
@@ -103,7 +133,3 @@ def choose_backend(
             "attention uses the torch reference: FlashInfer cannot serve this model's %s", unsupported
         )
     return choice
-
-
-def kernels_for(choice: BackendChoice) -> Kernels:
-    return triton_kernels() if choice.kernels == "triton" else TORCH_KERNELS

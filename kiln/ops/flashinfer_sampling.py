@@ -1,16 +1,13 @@
-"""Sampling with FlashInfer's sort-free rejection-sampling kernels: kiln.engine.sampler.draw_tokens's
+"""Sampling with FlashInfer's sort-free rejection-sampling kernels: kiln.ops.sampler.draw_tokens's
 contract (vLLM's order: top-k, renormalise, top-p, then min-p; seeded rows draw only from their own
 generator)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import flashinfer.sampling as fs
 import torch
 
-if TYPE_CHECKING:
-    from kiln.engine.sampler import SamplingMetadata
+from kiln.ops.sampler import SamplingMetadata
 
 
 def draw_tokens(

@@ -62,13 +62,14 @@ def run_offline(config: EngineConfig, spec: Spec, label: str) -> Result:
             for out in outputs:
                 state = live[out.request_id]
                 r = state.record
-                tokens = len(out.outputs[0].token_ids)
-                if tokens > r.output_tokens:
+                new = len(out.outputs[0].token_ids)  # a delta
+                if new:
                     if r.ttft == 0.0:
                         r.ttft = now - state.start
                     else:
                         r.itl.append(now - state.last)
-                    state.last, r.output_tokens = now, tokens
+                    state.last = now
+                    r.output_tokens += new
                 if out.finished:
                     r.latency, r.success = now - state.start, True
                     del live[out.request_id]

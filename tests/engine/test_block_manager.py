@@ -20,7 +20,7 @@ def make_request(token_ids: list[int], rid: str = "r", **params: object) -> Requ
         token_ids=list(token_ids),
         num_prompt_tokens=len(token_ids),
         max_tokens=16,
-        detokenizer=None,  # type: ignore[arg-type]
+        text=None,  # type: ignore[arg-type]
     )
 
 

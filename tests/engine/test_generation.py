@@ -12,7 +12,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from kiln import LLM, SamplingParams
-from kiln.engine.outputs import CompletionOutput, RequestOutput
+from kiln.engine.output import CompletionOutput, RequestOutput
 
 pytestmark = pytest.mark.slow
 
@@ -395,7 +395,7 @@ def test_bad_prompts_are_rejected(roomy: LLM, text_ids: list[int], prompt: Any, 
     # A bad prompt among good ones queues none of them.
     with pytest.raises(ValueError, match=match):
         gen(roomy, ["A good prompt", prompt], GREEDY)
-    assert not roomy.engine.parents
+    assert not roomy.engine.output.parents
     assert_still_works(roomy)
 
 
@@ -423,7 +423,7 @@ def test_bad_sampling_values_name_the_field(roomy: LLM, field: str, value: Any) 
 def clean_roomy(roomy: LLM) -> Iterator[LLM]:
     """roomy, with anything a failing test left queued aborted afterwards so later tests still run."""
     yield roomy
-    for request_id in list(roomy.engine.parents):
+    for request_id in list(roomy.engine.output.parents):
         roomy.engine.abort(request_id)
 
 

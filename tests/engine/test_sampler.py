@@ -6,7 +6,7 @@ import msgspec
 import pytest
 import torch
 
-from kiln.engine.sampler import Sampler, SamplingMetadata, apply_penalties, compute_logprobs
+from kiln.ops.sampler import Penalties, Sampler, SamplingMetadata, apply_penalties, compute_logprobs
 from kiln.sampling_params import SamplingParams
 from tests.sampling_expectation import CASES, check_distribution, expected_probs
 
@@ -22,14 +22,12 @@ def build(
     banned_ids: list[list[int]] | None = None,
 ) -> SamplingMetadata:
     n = len(params)
+    penalties = None
+    if any(p.uses_penalties for p in params):
+        empty: list[list[int]] = [[] for _ in range(n)]
+        penalties = Penalties.from_ids(params, prompt_ids or empty, output_ids or empty, vocab_size, CPU)
     return SamplingMetadata.build(
-        params,
-        prompt_ids or [[] for _ in range(n)],
-        output_ids or [[] for _ in range(n)],
-        generators or [None] * n,
-        banned_ids or [[] for _ in range(n)],
-        vocab_size,
-        CPU,
+        params, generators or [None] * n, banned_ids or [[] for _ in range(n)], vocab_size, CPU, penalties
     )
 
 
@@ -92,14 +90,12 @@ def _run(
         logits = torch.stack(
             [_step_logits(rid, pos, vocab_size) for (rid, _, _), pos in zip(batch, positions, strict=True)]
         )
-        meta = SamplingMetadata.build(
+        meta = build(
             [p for _, p, _ in batch],
-            [[rid, rid + 1] for rid, _, _ in batch],
-            [outputs[rid] for rid, _, _ in batch],
-            [generators[rid] for rid, _, _ in batch],
-            [[] for _ in batch],
             vocab_size,
-            CPU,
+            prompt_ids=[[rid, rid + 1] for rid, _, _ in batch],
+            output_ids=[outputs[rid] for rid, _, _ in batch],
+            generators=[generators[rid] for rid, _, _ in batch],
         )
         for (rid, _, _), token in zip(batch, sampler(logits, meta).token_ids.tolist(), strict=True):
             outputs[rid].append(token)

@@ -24,7 +24,7 @@ def make_request(rid: str, prompt: list[int] | int, max_tokens: int = 16) -> Req
         token_ids=token_ids,
         num_prompt_tokens=len(token_ids),
         max_tokens=max_tokens,
-        detokenizer=None,  # type: ignore[arg-type]
+        text=None,  # type: ignore[arg-type]
     )
 
 

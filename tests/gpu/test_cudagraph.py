@@ -26,13 +26,15 @@ def test_cudagraph_replay_equals_eager_for_every_decode_bucket(head_dim: int, tm
     for smaller, bucket in zip([0, *buckets], buckets, strict=False):
         for n in {bucket, smaller + 1}:  # a full bucket, and the fewest rows it takes (the rest padding)
             lens = rng.integers(1, 200, n)
-            runner.input_ids[:n] = rng.integers(0, 256, n)
-            runner.positions[:n] = lens - 1
-            runner.slot_mapping[:n] = -1  # write into the padding block only: both runs see the same cache
-            runner.query_start_loc[: n + 1] = np.arange(n + 1)
-            runner.seq_lens[:n] = lens
-            width = runner.block_table.shape[1]
-            runner.block_table[:n] = [rng.permutation(runner.padding_block)[:width] for _ in range(n)]
+            runner.buf.input_ids[:n] = rng.integers(0, 256, n)
+            runner.buf.positions[:n] = lens - 1
+            runner.buf.slot_mapping[
+                :n
+            ] = -1  # write into the padding block only: both runs see the same cache
+            runner.buf.query_start_loc[: n + 1] = np.arange(n + 1)
+            runner.buf.seq_lens[:n] = lens
+            width = runner.buf.block_table.shape[1]
+            runner.buf.block_table[:n] = [rng.permutation(runner.buf.padding_block)[:width] for _ in range(n)]
             num_tokens, args = runner.step_inputs(n, n, True)
             assert num_tokens == bucket
             replayed = runner.lowering(num_tokens, True, *args)[:n].clone()

@@ -9,10 +9,10 @@ import torch
 pytest.importorskip("triton", reason="Triton is not installed (pip install triton)")
 
 from kiln import LLM
-from kiln.engine.sampler import SamplingMetadata, prepare_logits
 from kiln.ops import activation, moe, norm, rotary
 from kiln.ops.attention import write_kv as torch_write_kv
 from kiln.ops.backend import TORCH_BACKEND
+from kiln.ops.sampler import Penalties, SamplingMetadata, prepare_logits
 from kiln.ops.triton import activation as t_activation
 from kiln.ops.triton import moe as t_moe
 from kiln.ops.triton import norm as t_norm
@@ -132,7 +132,9 @@ def test_sampling_prep_matches_the_reference() -> None:
     prompts = [[1, 2, 3, 5], [9], [4, 4], [], [1000, 2]]
     outputs = [[5, 5, 6], [9, 9, 9, 10], [], [3], [2, 2]]
     banned = [[], [], [7, 8], [0], []]
-    meta = SamplingMetadata.build(params, prompts, outputs, [None] * 5, banned, vocab, torch.device(DEVICE))
+    device = torch.device(DEVICE)
+    penalties = Penalties.from_ids(params, prompts, outputs, vocab, device)
+    meta = SamplingMetadata.build(params, [None] * 5, banned, vocab, device, penalties)
     logits = rand(5, vocab) * 3
     want = prepare_logits(logits, meta)
     got = t_sampling.prepare_logits(logits, meta)
@@ -143,8 +145,6 @@ def test_sampling_prep_matches_the_reference() -> None:
 def test_sampling_prep_without_penalties_is_temperature_only() -> None:
     meta = SamplingMetadata.build(
         [SamplingParams(temperature=0.5)] * 3,
-        [[1]] * 3,
-        [[]] * 3,
         [None] * 3,
         [[]] * 3,
         300,

@@ -3,6 +3,8 @@ import triton
 import triton.language as tl
 from torch.library import triton_op, wrap_triton
 
+from kiln.ops.sampler import SamplingMetadata
+
 
 @triton.jit
 def _sampling_prep(
@@ -71,8 +73,8 @@ def _indptr(rows: torch.Tensor, batch: int) -> torch.Tensor:
     return torch.searchsorted(rows, torch.arange(batch + 1, device=rows.device)).to(torch.int32)
 
 
-def prepare_logits(logits: torch.Tensor, meta: "SamplingMetadata") -> torch.Tensor:  # noqa: F821
-    """kiln.engine.sampler.prepare_logits as one kernel launch; returns a new fp32 tensor."""
+def prepare_logits(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    """kiln.ops.sampler.prepare_logits as one kernel launch; returns a new fp32 tensor."""
     out = logits.to(torch.float32, copy=True)
     batch = out.shape[0]
     pen, bias, banned = meta.penalties, meta.logit_bias, meta.banned

@@ -22,6 +22,21 @@ class Penalties:
 
     @classmethod
     def build(
+        cls, params: list[SamplingParams], prompt_mask: torch.Tensor, output_counts: torch.Tensor
+    ) -> Penalties:
+        def column(values: list[float]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.float32, device=prompt_mask.device)[:, None]
+
+        return cls(
+            repetition=column([p.repetition_penalty for p in params]),
+            frequency=column([p.frequency_penalty for p in params]),
+            presence=column([p.presence_penalty for p in params]),
+            prompt_mask=prompt_mask,
+            output_counts=output_counts,
+        )
+
+    @classmethod
+    def from_ids(
         cls,
         params: list[SamplingParams],
         prompt_ids: list[list[int]],
@@ -29,23 +44,20 @@ class Penalties:
         vocab_size: int,
         device: torch.device,
     ) -> Penalties:
-        def column(values: list[float]) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.float32, device=device)[:, None]
+        mask = token_counts(prompt_ids, vocab_size, device) > 0
+        return cls.build(params, mask, token_counts(output_ids, vocab_size, device))
 
-        outputs = _padded(output_ids, vocab_size, device)
-        prompts = _padded(prompt_ids, vocab_size, device)
-        # The padding id is vocab_size: it lands in an extra column that is then dropped.
-        counts = torch.zeros(len(params), vocab_size + 1, dtype=torch.int32, device=device)
-        counts.scatter_add_(1, outputs, torch.ones_like(outputs, dtype=torch.int32))
-        mask = torch.zeros(len(params), vocab_size + 1, dtype=torch.bool, device=device)
-        mask.scatter_(1, prompts, True)
-        return cls(
-            repetition=column([p.repetition_penalty for p in params]),
-            frequency=column([p.frequency_penalty for p in params]),
-            presence=column([p.presence_penalty for p in params]),
-            prompt_mask=mask[:, :vocab_size],
-            output_counts=counts[:, :vocab_size],
-        )
+
+def token_counts(ids: list[list[int]], vocab_size: int, device: torch.device) -> torch.Tensor:
+    """[len(ids), vocab_size] int32: how often each token occurs in each row of ids."""
+    width = max((len(row) for row in ids), default=0)
+    # The padding id is vocab_size: it lands in an extra column that is then dropped.
+    padded = torch.tensor(
+        [row + [vocab_size] * (width - len(row)) for row in ids], dtype=torch.int64, device=device
+    ).view(len(ids), width)
+    counts = torch.zeros(len(ids), vocab_size + 1, dtype=torch.int32, device=device)
+    counts.scatter_add_(1, padded, torch.ones_like(padded, dtype=torch.int32))
+    return counts[:, :vocab_size]
 
 
 @dataclass(slots=True)
@@ -69,13 +81,13 @@ class SamplingMetadata:
     def build(
         cls,
         params: list[SamplingParams],
-        prompt_ids: list[list[int]],
-        output_ids: list[list[int]],
         generators: list[torch.Generator | None],
         banned_ids: list[list[int]],
         vocab_size: int,
         device: torch.device,
+        penalties: Penalties | None = None,
     ) -> SamplingMetadata:
+        """penalties: the rows' token histories, needed when some row uses a penalty."""
         greedy = [p.greedy for p in params]
 
         # Greedy rows never reach the filters: they count as off, so they don't trigger that work.
@@ -86,7 +98,8 @@ class SamplingMetadata:
         top_k = per_row(lambda p: min(p.top_k_or_off or vocab_size, vocab_size), vocab_size)
         top_p = per_row(lambda p: p.top_p, 1.0)
         min_p = per_row(lambda p: p.min_p, 0.0)
-        uses_penalties = any(p.uses_penalties for p in params)
+        if penalties is None and any(p.uses_penalties for p in params):
+            raise ValueError("a row uses a penalty: pass its token histories (penalties)")
 
         bias = [(row, tok, val) for row, p in enumerate(params) for tok, val in (p.logit_bias or {}).items()]
         if any(not 0 <= tok < vocab_size for _, tok, _ in bias):
@@ -104,9 +117,7 @@ class SamplingMetadata:
             top_k=tensor(top_k, torch.int64) if any(k < vocab_size for k in top_k) else None,
             top_p=tensor(top_p, torch.float32) if any(p < 1.0 for p in top_p) else None,
             min_p=tensor(min_p, torch.float32) if any(p > 0.0 for p in min_p) else None,
-            penalties=Penalties.build(params, prompt_ids, output_ids, vocab_size, device)
-            if uses_penalties
-            else None,
+            penalties=penalties,
             logit_bias=(
                 tensor([r for r, _, _ in bias], torch.int64),
                 tensor([t for _, t, _ in bias], torch.int64),
@@ -131,6 +142,8 @@ class SamplerOutput:
     ranks: torch.Tensor | None  # [B] int64: rank of the sampled token (1 = most likely)
 
 
+# The sampler's two stages: penalties, bias and temperature; then the filters and the random draw.
+Prepare = Callable[[torch.Tensor, "SamplingMetadata"], torch.Tensor]
 Draw = Callable[[torch.Tensor, "SamplingMetadata", torch.Generator | None], torch.Tensor]
 
 
@@ -142,7 +155,7 @@ class Sampler:
     def __init__(
         self,
         generator: torch.Generator | None = None,
-        prepare: Callable[[torch.Tensor, SamplingMetadata], torch.Tensor] | None = None,
+        prepare: Prepare | None = None,
         draw: Draw | None = None,
     ) -> None:
         self.generator = generator  # for rows without a seed; None means torch's default
@@ -227,11 +240,6 @@ def _top_k_top_p(
         cut = (mass_before >= top_p[:, None]) & (top_p[:, None] < 1.0)
         sorted_logits.masked_fill_(cut, float("-inf"))
     return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
-
-
-def _padded(ids: list[list[int]], pad: int, device: torch.device) -> torch.Tensor:
-    width = max((len(row) for row in ids), default=0)
-    return torch.tensor([row + [pad] * (width - len(row)) for row in ids], dtype=torch.int64, device=device)
 
 
 def compute_logprobs(

@@ -1,0 +1,28 @@
+"""Messages to prompt token ids through the model's chat template: one path for LLM.chat and the API."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def render_chat(
+    tokenizer: Any,
+    messages: list[dict[str, Any]],
+    add_generation_prompt: bool = True,
+    chat_template_kwargs: dict[str, Any] | None = None,
+) -> list[int]:
+    """Raises ValueError for empty messages, a model without a template, or messages it refuses."""
+    if not messages:
+        raise ValueError("messages must not be empty")
+    if tokenizer.chat_template is None:
+        raise ValueError("this model has no chat template; use /v1/completions")
+    try:
+        return tokenizer.apply_chat_template(
+            messages,
+            add_generation_prompt=add_generation_prompt,
+            tokenize=True,
+            return_dict=False,
+            **(chat_template_kwargs or {}),
+        )
+    except Exception as e:  # jinja raises for conversations the template refuses
+        raise ValueError(f"the chat template rejected these messages: {e}") from None

@@ -1,0 +1,221 @@
+"""Each step's sampled tokens into request outputs: logprob formatting, detokenizing, stop checks, and the
+outputs themselves, as deltas (the tokens, logprobs and text new since the last output). A step's work
+here is proportional to the tokens it produced, never to a request's history."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from kiln.engine.request import Logprob, PositionLogprobs, Request
+from kiln.engine.runner import StepResult
+
+
+@dataclass(slots=True)
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None
+    logprobs: list[PositionLogprobs] | None
+    finish_reason: str | None  # "stop", "length", "abort" or None while running
+    stop_reason: int | str | None  # the stop token id or stop string that ended it
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """A step's delta of one request (the sequences it advanced, and what is new in each), or with
+    LLMEngine.step(final_only=True) the whole finished request."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    prompt_logprobs: list[PositionLogprobs | None] | None  # in a request's first output only
+    outputs: list[CompletionOutput]
+    finished: bool
+    num_cached_tokens: int = 0
+
+
+def merge(deltas: list[RequestOutput]) -> RequestOutput:
+    """Consecutive deltas of one request as one output (a reader that fell behind, or a whole request)."""
+    if len(deltas) == 1:
+        return deltas[0]
+    by_index: dict[int, list[CompletionOutput]] = {}
+    for d in deltas:
+        for c in d.outputs:
+            by_index.setdefault(c.index, []).append(c)
+    outputs = []
+    for index in sorted(by_index):
+        parts, last = by_index[index], by_index[index][-1]
+        logprobs = [c.logprobs for c in parts]
+        outputs.append(
+            CompletionOutput(
+                index=index,
+                text="".join(c.text for c in parts),
+                token_ids=list(itertools.chain.from_iterable(c.token_ids for c in parts)),
+                cumulative_logprob=last.cumulative_logprob,
+                logprobs=None if logprobs[0] is None else list(itertools.chain.from_iterable(logprobs)),
+                finish_reason=last.finish_reason,
+                stop_reason=last.stop_reason,
+            )
+        )
+    first, last = deltas[0], deltas[-1]
+    prompt_logprobs = next((d.prompt_logprobs for d in deltas if d.prompt_logprobs is not None), None)
+    return RequestOutput(
+        first.request_id, first.prompt, first.prompt_token_ids, prompt_logprobs, outputs, last.finished,
+        last.num_cached_tokens,
+    )  # fmt: skip
+
+
+@dataclass(slots=True)
+class Parent:
+    """A user request; with n > 1 it fans out into n sampled sequences that share the prompt."""
+
+    request_id: str
+    prompt: str | None
+    children: list[Request]
+    sent_prompt_logprobs: bool = False
+
+    @property
+    def finished(self) -> bool:
+        return all(c.finished for c in self.children)
+
+    def output(self, advanced: list[Request], whole: bool) -> RequestOutput:
+        """The advanced sequences' deltas; or (whole) every sequence's whole output."""
+        first = self.children[0]
+        seqs = self.children if whole else advanced
+        # Once the first sequence has sampled, its prompt is scored whole: sent once, from then on.
+        prompt_logprobs = None if self.sent_prompt_logprobs else first.prompt_logprobs
+        self.sent_prompt_logprobs = first.num_output_tokens > 0
+        return RequestOutput(
+            request_id=self.request_id,
+            prompt=self.prompt,
+            prompt_token_ids=first.prompt_token_ids,
+            prompt_logprobs=prompt_logprobs,
+            outputs=[_sequence_output(self.children.index(c), c, whole) for c in seqs],
+            finished=self.finished,
+            num_cached_tokens=max(0, first.num_cached_tokens),
+        )
+
+
+def _sequence_output(index: int, req: Request, whole: bool) -> CompletionOutput:
+    start = 0 if whole else req.num_sent_tokens
+    req.num_sent_tokens = req.num_output_tokens
+    return CompletionOutput(
+        index=index,
+        text=req.text.whole() if whole else req.text.delta(),
+        token_ids=req.token_ids[req.num_prompt_tokens + start :],
+        cumulative_logprob=req.cumulative_logprob if req.logprobs is not None else None,
+        logprobs=req.logprobs[start:] if req.logprobs is not None else None,
+        finish_reason=req.finish_reason,
+        stop_reason=req.stop_reason,
+    )
+
+
+class TokenWords:
+    """Each token's own text, as logprobs show it; decoded once per token id and remembered."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self.words: dict[int, str] = {}
+
+    def __call__(self, ids: list[int]) -> list[str]:
+        missing = list({t for t in ids if t not in self.words})
+        if missing:
+            self.words.update(zip(missing, self.tokenizer.batch_decode([[t] for t in missing]), strict=True))
+        return [self.words[t] for t in ids]
+
+    def logprob_dicts(
+        self, ids: list[list[int]], logprobs: list[list[float]], ranks: list[int], ks: list[int]
+    ) -> list[PositionLogprobs]:
+        """Rows of (token, then top-k) -> {token id: Logprob}, keeping each row's own k."""
+        out = []
+        for row_ids, row_lps, rank, k in zip(ids, logprobs, ranks, ks, strict=True):
+            words = self(row_ids[: 1 + k])
+            entry = {row_ids[0]: Logprob(row_lps[0], rank, words[0])}
+            for j in range(1, 1 + k):
+                entry.setdefault(row_ids[j], Logprob(row_lps[j], j, words[j]))
+            out.append(entry)
+        return out
+
+
+class OutputProcessor:
+    """Owns the requests' outputs: `finish` (the scheduler's) frees a sequence that met a stop."""
+
+    def __init__(
+        self, tokenizer: Any, eos_token_ids: set[int], max_model_len: int, finish: Callable[[Request], None]
+    ) -> None:
+        self.words = TokenWords(tokenizer)
+        self.eos_token_ids = eos_token_ids
+        self.max_model_len = max_model_len
+        self.finish = finish
+        self.parents: dict[str, Parent] = {}
+
+    def process(self, result: StepResult, final_only: bool) -> list[RequestOutput]:
+        """The step's outputs: a delta per request it advanced; with final_only (vLLM's FINAL_ONLY
+        output kind, for callers that don't stream) the whole outputs of the requests it finished."""
+        for req, pl in result.prompt_logprobs.items():
+            assert req.prompt_logprobs is not None
+            ks = [req.params.prompt_logprobs or 0] * len(pl.ranks)
+            del req.prompt_logprobs[pl.first_position + 1 :]  # a preempted request scores its prompt again
+            req.prompt_logprobs += self.words.logprob_dicts(
+                pl.ids.tolist(), pl.logprobs.tolist(), pl.ranks.tolist(), ks
+            )
+        out = result.output
+        if out is None:
+            return []
+        tokens = out.token_ids.tolist()
+        if out.logprobs is not None:
+            ks = [r.params.logprobs or 0 for r in result.sampled]
+            rows = self.words.logprob_dicts(
+                out.logprob_token_ids.tolist(), out.logprobs.tolist(), out.ranks.tolist(), ks
+            )
+        advanced: dict[str, list[Request]] = {}
+        for i, (req, token) in enumerate(zip(result.sampled, tokens, strict=True)):
+            req.token_ids.append(token)
+            if req.logprobs is not None:
+                req.logprobs.append(rows[i])
+                req.cumulative_logprob += rows[i][token].logprob
+            self._check_stop(req, token)
+            advanced.setdefault(req.parent_id, []).append(req)
+        outputs = []
+        for parent_id, reqs in advanced.items():
+            parent = self.parents[parent_id]
+            if final_only and not parent.finished:
+                continue
+            outputs.append(parent.output(reqs, whole=final_only))
+            if parent.finished:
+                del self.parents[parent_id]
+        return outputs
+
+    def _check_stop(self, req: Request, token: int) -> None:
+        p = req.params
+        reason: tuple[str, int | str | None] | None = None
+        if req.num_output_tokens >= p.min_tokens:
+            if not p.ignore_eos and token in self.eos_token_ids:
+                reason = ("stop", None)
+            elif token in p.stop_token_ids:
+                reason = ("stop", token)
+        # As vLLM: the text of a stop token is left out unless include_stop_str_in_output.
+        if reason is None or p.include_stop_str_in_output:
+            new_text = req.text.add(token)
+            if reason is None and p.stop and req.num_output_tokens >= p.min_tokens:
+                hit = req.text.find_stop(len(new_text), p.stop, p.include_stop_str_in_output)
+                if hit is not None:
+                    reason = ("stop", hit)
+        if reason is None and (
+            req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.max_model_len
+        ):
+            reason = ("length", None)
+        if reason is not None:
+            req.finish_reason, req.stop_reason = reason
+            req.text.settle(final=True)
+            self.finish(req)
+        else:
+            req.text.settle(final=False)

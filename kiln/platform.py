@@ -1,0 +1,55 @@
+"""Every question kiln asks of the machine, answered in one place: which device, what it is, whether a C++
+compiler is there for Inductor, and which dtypes its matrix multiplies run natively. The process-wide
+torch settings kiln changes are set here too, once (`configure_torch`)."""
+
+from __future__ import annotations
+
+import functools
+import os
+import platform
+import shutil
+
+import torch
+
+
+def resolve_device(device: str) -> torch.device:
+    """`auto` is the GPU where there is one (as vLLM), else the CPU."""
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def describe(device: torch.device) -> str:
+    """What compiled code depends on: the GPU's name and compute capability, or the CPU's vector ISA."""
+    if device.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(device)
+        return f"cuda:{torch.cuda.get_device_name(device)}:sm{major}{minor}"
+    return f"{device.type}:{torch.backends.cpu.get_cpu_capability()}:{platform.machine()}"
+
+
+@functools.cache
+def has_cxx() -> bool:
+    """Inductor's CPU backend compiles C++: without a compiler, CPU code runs eagerly."""
+    return shutil.which(os.environ.get("CXX", "g++")) is not None or shutil.which("clang++") is not None
+
+
+def native_matmul_dtypes(device: torch.device) -> set[torch.dtype]:
+    """Dtypes whose matmuls the device runs natively. A CPU without AVX512-BF16/AMX runs a bf16 GEMM
+    about ten times slower than fp32 (measured on the 2-core AVX2 machine), so kiln upcasts there."""
+    if device.type != "cpu":
+        return {torch.float32, torch.bfloat16, torch.float16}
+    native = {torch.float32}
+    if torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        native.add(torch.bfloat16)
+    if torch.ops.mkldnn._is_mkldnn_fp16_supported():
+        native.add(torch.float16)
+    return native
+
+
+def configure_torch() -> None:
+    """The process-wide torch settings kiln needs, set before anything is compiled.
+
+    - dynamo's recompile limit: its compile cache is per code object and shared by the whole process, and
+      a process may build many models (the tests do); each lowering's graphs are its own code object's,
+      but the shared paged-decode kernel sees every model's shapes."""
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
