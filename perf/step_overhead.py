@@ -1,7 +1,7 @@
 """Engine step overhead against output length: what a step costs besides the model's forward.
 
 8 requests of 4,096 output tokens each, `logprobs=5`, `repetition_penalty=1.1`, seeded random sampling,
-driven offline through LLMEngine.step (outputs as the server's streams take them). The model is a tiny
+driven offline through LLMEngine.step, whose outputs are what the server streams. The model is a tiny
 random Llama (2 layers, hidden 64) with the default model's tokenizer and vocabulary, so the forward is
 small and everything the engine does around it (scheduling, batch building, sampling with penalties and
 logprobs, detokenizing, stop checks, outputs) shows. The forward is timed by the model's forward hooks
@@ -59,15 +59,10 @@ def run(model: Path, mode: str) -> dict:
     started = [0.0]
     engine.model.register_forward_pre_hook(lambda *_: started.__setitem__(0, time.perf_counter()))
     engine.model.register_forward_hook(lambda *_: forward.__setitem__(0, time.perf_counter() - started[0]))
-    kind = {}
-    if "output_kind" in SamplingParams.__struct_fields__:  # the server's streams take deltas
-        from kiln.sampling_params import RequestOutputKind
-
-        kind = {"output_kind": RequestOutputKind.DELTA}
     for i in range(REQUESTS):
         params = SamplingParams(
             temperature=1.0, seed=i, max_tokens=TOKENS, ignore_eos=True, logprobs=5,
-            repetition_penalty=1.1, **kind,
+            repetition_penalty=1.1,
         )  # fmt: skip
         engine.add_request(f"r{i}", list(range(1000 + 16 * i, 1016 + 16 * i)), params)
     overhead: list[float] = []  # per decode step, indexed by output tokens so far

@@ -23,15 +23,7 @@ from kiln.api.protocol import (
     TokenLogprob,
     TopLogprob,
 )
-from kiln.api.serving import (
-    ChoiceDelta,
-    final_outputs,
-    sampling_params,
-    sse,
-    start_all,
-    stream_events,
-    usage,
-)
+from kiln.api.serving import ChoiceDelta, final_outputs, sampling_params, start_all, stream_response, usage
 from kiln.engine.async_engine import AsyncEngine
 from kiln.engine.chat_template import render_chat
 from kiln.engine.request import PositionLogprobs
@@ -76,7 +68,7 @@ async def create_chat_completion(
         usage_chunk = None
         if body.stream_options is not None and body.stream_options.include_usage:
             usage_chunk = functools.partial(ChatCompletionChunk, id=rid, model=model)
-        return sse(stream_events(streams, 1, functools.partial(_chunks, rid, model, k), usage_chunk))
+        return stream_response(streams, 1, functools.partial(_chunks, rid, model, k), usage_chunk)
     outputs = await final_outputs(request, streams)
     if outputs is None:
         return None

@@ -16,15 +16,7 @@ from kiln.api.protocol import (
     CompletionRequest,
     CompletionResponse,
 )
-from kiln.api.serving import (
-    ChoiceDelta,
-    final_outputs,
-    sampling_params,
-    sse,
-    start_all,
-    stream_events,
-    usage,
-)
+from kiln.api.serving import ChoiceDelta, final_outputs, sampling_params, start_all, stream_response, usage
 from kiln.engine.async_engine import AsyncEngine
 from kiln.engine.output import CompletionOutput, RequestOutput
 from kiln.engine.request import PositionLogprobs
@@ -68,7 +60,7 @@ async def create_completion(
         if body.stream_options is not None and body.stream_options.include_usage:
             usage_chunk = functools.partial(CompletionResponse, id=rid, model=model)
         chunks = functools.partial(_chunks, rid, model, body, texts, engine.tokenizer)
-        return sse(stream_events(streams, body.n, chunks, usage_chunk))
+        return stream_response(streams, body.n, chunks, usage_chunk)
     outputs = await final_outputs(request, streams)
     if outputs is None:
         return None

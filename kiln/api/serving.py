@@ -154,14 +154,23 @@ class ChoiceDelta:
     request: RequestOutput
 
 
-async def stream_events(
+def stream_response(
+    streams: list[RequestStream],
+    n: int,
+    chunks: Callable[[list[ChoiceDelta]], list[msgspec.Struct]],
+    usage_chunk: Callable[..., msgspec.Struct] | None,
+) -> StreamingResponse:
+    """What both endpoints stream: each engine output's choice deltas, as the endpoint's chunks; then,
+    with usage_chunk (the endpoint's chunk type), one chunk without choices that has the usage."""
+    return _sse(_events(streams, n, chunks, usage_chunk))
+
+
+async def _events(
     streams: list[RequestStream],
     n: int,
     chunks: Callable[[list[ChoiceDelta]], list[msgspec.Struct]],
     usage_chunk: Callable[..., msgspec.Struct] | None,
 ) -> AsyncIterator[msgspec.Struct]:
-    """What both endpoints stream: each engine output's choice deltas, as the endpoint's chunks; then,
-    with usage_chunk (the endpoint's chunk type), one chunk without choices that has the usage."""
     sent: dict[int, int] = {}  # choice index -> characters sent
     prompt_tokens: dict[int, int] = {}
     completion_tokens = 0
@@ -186,7 +195,7 @@ def usage(outputs: list[RequestOutput]) -> Usage:
     return Usage(prompt, completion, prompt + completion)
 
 
-def sse(events: AsyncIterator[msgspec.Struct]) -> StreamingResponse:
+def _sse(events: AsyncIterator[msgspec.Struct]) -> StreamingResponse:
     """Server-sent events ending in `data: [DONE]`; an error mid-stream becomes an error event first."""
 
     async def body() -> AsyncIterator[bytes]:

@@ -3,19 +3,6 @@ import torch.nn.functional as F
 from torch import nn
 
 
-def native_matmul_dtypes(device: torch.device) -> set[torch.dtype]:
-    """Dtypes whose matmuls the device runs natively. A CPU without AVX512-BF16/AMX runs a bf16 GEMM
-    about ten times slower than fp32 (measured on the 2-core AVX2 machine), so kiln upcasts there."""
-    if device.type != "cpu":
-        return {torch.float32, torch.bfloat16, torch.float16}
-    native = {torch.float32}
-    if torch.ops.mkldnn._is_mkldnn_bf16_supported():
-        native.add(torch.bfloat16)
-    if torch.ops.mkldnn._is_mkldnn_fp16_supported():
-        native.add(torch.float16)
-    return native
-
-
 class Linear(nn.Module):
     """y = x W^T + b. When `compute_dtype` is set, the weights stay in their (smaller) storage dtype
     and each call multiplies in compute_dtype, returning the input's dtype."""

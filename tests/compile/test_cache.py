@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -12,7 +13,9 @@ from pathlib import Path
 import pytest
 from openai import OpenAI
 
+import kiln
 from kiln import LLM, SamplingParams
+from kiln.compile.cache import environment, source_hash
 from tests.api.server import start_server
 from tests.models.tiny import build
 
@@ -127,3 +130,19 @@ def test_corrupt_entry_is_rebuilt_and_the_server_answers(tiny: Path, tmp_path: P
     manifest = json.loads((entry / "manifest.json").read_text())
     rebuilt = (entry / "artifacts.bin").read_bytes()
     assert len(rebuilt) == manifest["files"]["artifacts.bin"]["size"]
+
+
+@pytest.mark.parametrize(
+    "source", ["models/decoder.py", "ops/attention.py", "ops/triton/norm.py", "compile/lowering.py", "new"]
+)
+def test_cache_key_changes_with_any_kiln_source(source: str, tmp_path: Path) -> None:
+    """The key hashes every kiln source, recursively: an edited Triton kernel is a different entry."""
+    root = tmp_path / "kiln"
+    shutil.copytree(Path(kiln.__file__).parent, root, ignore=shutil.ignore_patterns("__pycache__"))
+    assert environment()["kiln_source"] == source_hash() == source_hash(root)
+    if source == "new":
+        (root / "ops" / "triton" / "fused.py").write_text("X = 1\n")
+    else:
+        with (root / source).open("a") as f:
+            f.write("# an edit\n")
+    assert source_hash(root) != source_hash()
