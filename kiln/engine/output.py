@@ -89,7 +89,7 @@ class Parent:
     def output(self, advanced: list[Request], whole: bool) -> RequestOutput:
         """The advanced sequences' deltas; or (whole) every sequence's whole output."""
         first = self.children[0]
-        seqs = self.children if whole else advanced
+        seqs = self.children if whole else sorted(advanced, key=self.children.index)
         # Once the first sequence has sampled, its prompt is scored whole: sent once, from then on.
         prompt_logprobs = None if self.sent_prompt_logprobs else first.prompt_logprobs
         self.sent_prompt_logprobs = first.num_output_tokens > 0
