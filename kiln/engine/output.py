@@ -89,7 +89,6 @@ class Parent:
     def output(self, advanced: list[Request], whole: bool) -> RequestOutput:
         """The advanced sequences' deltas; or (whole) every sequence's whole output."""
         first = self.children[0]
-        seqs = self.children if whole else sorted(advanced, key=self.children.index)
         # Once the first sequence has sampled, its prompt is scored whole: sent once, from then on.
         prompt_logprobs = None if self.sent_prompt_logprobs else first.prompt_logprobs
         self.sent_prompt_logprobs = first.num_output_tokens > 0
@@ -98,7 +97,9 @@ class Parent:
             prompt=self.prompt,
             prompt_token_ids=first.prompt_token_ids,
             prompt_logprobs=prompt_logprobs,
-            outputs=[_sequence_output(self.children.index(c), c, whole) for c in seqs],
+            outputs=[
+                _sequence_output(i, c, whole) for i, c in enumerate(self.children) if whole or c in advanced
+            ],
             finished=self.finished,
             num_cached_tokens=max(0, first.num_cached_tokens),
         )
