@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 import time
 from pathlib import Path
@@ -70,6 +71,10 @@ SERVE_FLAGS: dict[str, tuple[str, str, dict]] = {
     "--tensor-parallel-size": ("parallel", "tensor_parallel_size", {"type": int}),
     "--compile-mode": ("compile", "mode", {"choices": ["auto", "eager", "compiled", "cudagraph"]}),
     "--compile-cache": ("compile", "cache_file", {"metavar": "FILE", "help": "a kiln warmup --export file"}),
+    "--max-n-sequences": ("server", "max_n_sequences", {"type": int, "help": "largest n a request may ask"}),
+    "--max-stop-strings": ("server", "max_stop_strings", {"type": int}),
+    "--max-completion-prompts": ("server", "max_completion_prompts", {"type": int}),
+    "--max-prompt-chars": ("server", "max_prompt_chars", {"type": int, "help": "checked before tokenizing"}),
 }
 
 
@@ -98,6 +103,9 @@ def _load_config(args: argparse.Namespace) -> ServeConfig:
 def cmd_serve(args: argparse.Namespace) -> int:
     parser: argparse.ArgumentParser = args.parser
     config = _load_config(args)
+    # Tokenizing runs on one worker thread; the tokenizers library's own thread pool would compete with
+    # the engine's OpenMP threads for the cores.
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     from kiln.api.server import run
     from kiln.models.loader import resolve_model
 

@@ -104,6 +104,13 @@ class ServerConfig(_Section):
     served_model_name: str | None = None  # defaults to the model's name
     drain_timeout: Annotated[float, Meta(ge=0)] = 30.0  # seconds SIGTERM waits for requests in flight
     max_request_bytes: Annotated[int, Meta(ge=1024)] = 16 * 2**20  # larger bodies get 413
+    # What one request may ask for; over a limit is a 400 naming it. vLLM's names (its VLLM_MAX_* variables).
+    max_n_sequences: Annotated[int, Meta(ge=1)] = 128  # `n`; OpenAI's own cap
+    max_stop_strings: Annotated[int, Meta(ge=0)] = 4  # entries of `stop`, as OpenAI and vLLM
+    max_completion_prompts: Annotated[int, Meta(ge=1)] = 1024  # prompts in one /v1/completions request
+    # Characters of prompt text, checked before tokenizing. null: max_model_len tokens of the tokenizer's
+    # longest token, twice over (normalizers may shorten text), so no prompt that fits is refused.
+    max_prompt_chars: Annotated[int, Meta(ge=1)] | None = None
 
 
 class ServeConfig(EngineConfig):

@@ -10,7 +10,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from tests.api.server import Server, start_server
+from tests.api.server import API_KEY, Server, start_server
 
 
 @pytest.fixture(scope="session")
@@ -21,7 +21,6 @@ def default_model_dir() -> Path:
     return default_model_dir()
 
 
-API_KEY = "test-key"
 MAX_MODEL_LEN = 512
 MAX_REQUEST_BYTES = 65536
 
@@ -37,5 +36,28 @@ SERVE_CONFIG = {
 @pytest.fixture(scope="session")
 def server(tmp_path_factory: pytest.TempPathFactory, default_model_dir: Path) -> Iterator[Server]:
     srv = start_server(tmp_path_factory.mktemp("serve"), SERVE_CONFIG)
+    yield srv
+    assert srv.stop() == 0, srv.output()
+
+
+# A tiny random model with the default tokenizer, eager, with low per-request limits: for the hostile-input
+# tests and the fuzz suite, where what matters is the API and the model's speed does not.
+TINY_MAX_MODEL_LEN = 256
+TINY_LIMITS = {"max_n_sequences": 4, "max_completion_prompts": 4, "max_prompt_chars": 12_000_000}
+
+
+@pytest.fixture(scope="session")
+def tiny_server(tmp_path_factory: pytest.TempPathFactory, default_model_dir: Path) -> Iterator[Server]:
+    from tests.models.tiny import build_default_vocab
+
+    model = build_default_vocab(tmp_path_factory.mktemp("tiny-default-vocab"), default_model_dir)
+    config = {
+        "model": {"model": str(model), "max_model_len": TINY_MAX_MODEL_LEN},
+        "cache": {"kv_cache_gib": 0.0625},
+        "scheduler": {"max_num_seqs": 16},
+        "compile": {"mode": "eager"},
+        "server": {"api_key": API_KEY, **TINY_LIMITS},
+    }
+    srv = start_server(tmp_path_factory.mktemp("serve-tiny"), config)
     yield srv
     assert srv.stop() == 0, srv.output()

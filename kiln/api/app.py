@@ -17,9 +17,10 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from kiln.api.chat import create_chat_completion, render_messages
+from kiln.api.chat import create_chat_completion
 from kiln.api.completions import create_completion
 from kiln.api.errors import APIError, as_api_error
+from kiln.api.inputs import Inputs
 from kiln.api.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -40,7 +41,7 @@ DEFAULT_MODEL_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"
 
 _encoder = msgspec.json.Encoder()
 
-Handler = Callable[[AsyncEngine, Request, Any], Awaitable[Any]]
+Handler = Callable[[AsyncEngine, Inputs, Request, Any], Awaitable[Any]]
 
 
 class App:
@@ -52,6 +53,7 @@ class App:
         )
         self.started = time.perf_counter() if started is None else started
         self.engine: AsyncEngine | None = None
+        self.inputs: Inputs | None = None  # built with the engine: it needs the tokenizer
         self.draining = False
         self.stopped = asyncio.Event()  # set when the server should close
         self.exit_code = 0
@@ -83,17 +85,23 @@ class App:
         start = asyncio.create_task(self._start_engine())
         yield
         start.cancel()
+        if self.inputs is not None:
+            self.inputs.close()
         if self.engine is not None:
             await self.engine.shutdown()
 
     async def _start_engine(self) -> None:
         try:
-            self.engine = await AsyncEngine.start(self.config, self.model_name)
+            engine = await AsyncEngine.start(self.config, self.model_name)
         except Exception:
             log.exception("the engine failed to start")
             self.exit_code = 1
             self.stopped.set()
             return
+        self.inputs = Inputs(
+            engine.tokenizer, engine.max_model_len, engine.engine.check_prompt, self.config.server
+        )
+        self.engine = engine
         self._log_ready()
 
     def _log_ready(self) -> None:
@@ -146,14 +154,14 @@ class App:
 
     # -- request plumbing ---------------------------------------------------------------------
 
-    def _ready(self) -> AsyncEngine:
+    def _ready(self) -> tuple[AsyncEngine, Inputs]:
         if self.draining:
             raise APIError(503, "kiln is shutting down and accepts no new requests")
-        if self.engine is None:
+        if self.engine is None or self.inputs is None:
             raise APIError(503, "kiln is starting: the model is still loading")
         if self.engine.dead is not None:
             raise APIError(503, f"the engine has died: {self.engine.dead!r}")
-        return self.engine
+        return self.engine, self.inputs
 
     def _authorize(self, request: Request) -> None:
         key = self.config.server.api_key
@@ -163,7 +171,7 @@ class App:
         if scheme.lower() != "bearer" or not secrets.compare_digest(token.encode(), key.encode()):
             raise APIError(401, "missing or invalid API key: send 'Authorization: Bearer <key>'")
 
-    async def _body(self, request: Request, kind: type) -> Any:
+    async def _body(self, request: Request, inputs: Inputs, kind: type) -> Any:
         limit = self.config.server.max_request_bytes
         too_large = APIError(413, f"request body is larger than the limit of {limit} bytes")
         length = request.headers.get("content-length", "")
@@ -175,7 +183,7 @@ class App:
             if size > limit:
                 raise too_large
             chunks.append(chunk)
-        return msgspec.json.decode(b"".join(chunks), type=kind)
+        return await inputs.decode_body(b"".join(chunks), kind)
 
     def _check_model(self, body: Any) -> None:
         name = getattr(body, "model", None)
@@ -187,10 +195,10 @@ class App:
             try:
                 if request.url.path.startswith("/v1/"):
                     self._authorize(request)
-                engine = self._ready()
-                body = await self._body(request, kind) if kind is not None else None
+                engine, inputs = self._ready()
+                body = await self._body(request, inputs, kind) if kind is not None else None
                 self._check_model(body)
-                result = await handler(engine, request, body)
+                result = await handler(engine, inputs, request, body)
             except Exception as e:
                 return as_api_error(e).response()
             if isinstance(result, Response):
@@ -209,28 +217,25 @@ class App:
 
     # -- small endpoints ------------------------------------------------------------------------
 
-    async def _models(self, engine: AsyncEngine, request: Request, body: None) -> ModelList:
+    async def _models(self, engine: AsyncEngine, inputs: Inputs, request: Request, body: None) -> ModelList:
         root = str(engine.model_path)
         return ModelList([ModelCard(id=self.model_name, root=root, max_model_len=engine.max_model_len)])
 
     async def _tokenize(
-        self, engine: AsyncEngine, request: Request, body: TokenizeRequest
+        self, engine: AsyncEngine, inputs: Inputs, request: Request, body: TokenizeRequest
     ) -> TokenizeResponse:
-        if (body.prompt is None) == (body.messages is None):
-            raise APIError(400, "give exactly one of prompt and messages", "prompt")
-        if body.messages is not None:
-            ids = render_messages(engine.tokenizer, body.messages, body.add_generation_prompt)
+        if body.messages is not None and body.prompt is None:
+            ids = await inputs.chat_ids(body.messages, body.add_generation_prompt)
+        elif body.prompt is not None and body.messages is None:
+            ids = await inputs.encode(body.prompt, body.add_special_tokens)
         else:
-            ids = engine.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+            raise APIError(400, "give exactly one of prompt and messages", "prompt")
         return TokenizeResponse(len(ids), engine.max_model_len, ids)
 
     async def _detokenize(
-        self, engine: AsyncEngine, request: Request, body: DetokenizeRequest
+        self, engine: AsyncEngine, inputs: Inputs, request: Request, body: DetokenizeRequest
     ) -> DetokenizeResponse:
-        vocab = engine.vocab_size
-        if any(not 0 <= t < vocab for t in body.tokens):
-            raise APIError(400, f"token ids must be in [0, {vocab})", "tokens")
-        return DetokenizeResponse(engine.tokenizer.decode(body.tokens))
+        return DetokenizeResponse(await inputs.decode(body.tokens, engine.vocab_size))
 
     async def _health(self, request: Request) -> Response:
         try:

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import functools
 import uuid
-from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import Response
 
 from kiln.api.errors import APIError
+from kiln.api.inputs import Inputs
 from kiln.api.protocol import (
     AssistantMessage,
     ChatChoice,
@@ -18,47 +18,31 @@ from kiln.api.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
     ChatLogprobs,
-    ChatMessage,
     Delta,
     TokenLogprob,
     TopLogprob,
 )
-from kiln.api.serving import ChoiceDelta, final_outputs, sampling_params, start_all, stream_response, usage
+from kiln.api.serving import (
+    ChoiceDelta,
+    final_outputs,
+    merged,
+    sampling_params,
+    start_all,
+    stream_response,
+    usage,
+)
 from kiln.engine.async_engine import AsyncEngine
-from kiln.engine.chat_template import render_chat
 from kiln.engine.request import PositionLogprobs
 
 
-def render_messages(
-    tokenizer: Any,
-    messages: list[ChatMessage],
-    add_generation_prompt: bool = True,
-    chat_template_kwargs: dict[str, Any] | None = None,
-) -> list[int]:
-    """The request's messages (text content parts joined) through the model's chat template."""
-    plain = []
-    for m in messages:
-        content = m.content
-        if isinstance(content, list):
-            if any(part.type != "text" for part in content):
-                raise APIError(400, "only text content parts are supported", "messages")
-            content = "".join(part.text or "" for part in content)
-        plain.append({"role": m.role, "content": content or ""})
-    try:
-        return render_chat(tokenizer, plain, add_generation_prompt, chat_template_kwargs)
-    except ValueError as e:
-        raise APIError(400, str(e), "messages") from None
-
-
 async def create_chat_completion(
-    engine: AsyncEngine, request: Request, body: ChatCompletionRequest
+    engine: AsyncEngine, inputs: Inputs, request: Request, body: ChatCompletionRequest
 ) -> ChatCompletionResponse | Response | None:
     model = engine.model_name
     if body.top_logprobs is not None and not body.logprobs:
         raise APIError(400, "top_logprobs needs logprobs set to true", "top_logprobs")
-    ids = render_messages(
-        engine.tokenizer, body.messages, body.add_generation_prompt, body.chat_template_kwargs
-    )
+    inputs.check_request(body)
+    ids = await inputs.chat_ids(body.messages, body.add_generation_prompt, body.chat_template_kwargs)
     k = (body.top_logprobs or 0) if body.logprobs else None
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     params = sampling_params(body, len(ids), engine.max_model_len, max_tokens, k)
@@ -68,7 +52,7 @@ async def create_chat_completion(
         usage_chunk = None
         if body.stream_options is not None and body.stream_options.include_usage:
             usage_chunk = functools.partial(ChatCompletionChunk, id=rid, model=model)
-        return stream_response(streams, 1, functools.partial(_chunks, rid, model, k), usage_chunk)
+        return stream_response(merged(streams), 1, functools.partial(_chunks, rid, model, k), usage_chunk)
     outputs = await final_outputs(request, streams)
     if outputs is None:
         return None

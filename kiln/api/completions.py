@@ -2,76 +2,96 @@
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import functools
 import uuid
+from collections.abc import AsyncIterator
 from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import Response
 
 from kiln.api.errors import APIError
+from kiln.api.inputs import Inputs
 from kiln.api.protocol import (
     CompletionChoice,
     CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
 )
-from kiln.api.serving import ChoiceDelta, final_outputs, sampling_params, start_all, stream_response, usage
+from kiln.api.serving import (
+    ChoiceDelta,
+    final_outputs,
+    merged,
+    sampling_params,
+    start_all,
+    stream_response,
+    usage,
+)
 from kiln.engine.async_engine import AsyncEngine
 from kiln.engine.output import CompletionOutput, RequestOutput
 from kiln.engine.request import PositionLogprobs
 
 
-def prompt_list(prompt: Any) -> list[str | list[int]]:
-    """OpenAI's four prompt shapes as a list of single prompts."""
-    if isinstance(prompt, str):
-        return [prompt]
-    if prompt and all(isinstance(p, int) for p in prompt):
-        return [prompt]
-    if prompt and (all(isinstance(p, str) for p in prompt) or all(isinstance(p, list) for p in prompt)):
-        return list(prompt)
-    raise APIError(
-        400,
-        "prompt must be a string, a list of strings, a list of token ids or a list of token-id lists",
-        "prompt",
-    )
-
-
 async def create_completion(
-    engine: AsyncEngine, request: Request, body: CompletionRequest
+    engine: AsyncEngine, inputs: Inputs, request: Request, body: CompletionRequest
 ) -> CompletionResponse | Response | None:
     model = engine.model_name
     if body.suffix is not None:
         raise APIError(400, "suffix is not supported", "suffix")
     if body.best_of is not None and body.best_of != body.n:
         raise APIError(400, "best_of must equal n: kiln does not rank samples", "best_of")
-    prompts = prompt_list(body.prompt)
-    ids = [engine.tokenizer.encode(p) if isinstance(p, str) else p for p in prompts]
-    texts = [p if isinstance(p, str) else engine.tokenizer.decode(p) for p in prompts]
+    inputs.check_request(body)
+    prompts = await inputs.completion_prompts(body)
+    texts = [p.text or "" for p in prompts]
+    # As vLLM: echo with max_tokens 0 returns the prompt alone (with its logprobs if asked). The engine
+    # runs the prefill that scores the prompt and samples one token, which is dropped.
+    prompt_only = body.echo and body.max_tokens == 0
+    max_tokens = 1 if prompt_only else body.max_tokens
     echo_logprobs = body.logprobs if body.echo and body.logprobs is not None else None
     params = [
-        sampling_params(body, len(i), engine.max_model_len, body.max_tokens, body.logprobs, echo_logprobs)
-        for i in ids
+        sampling_params(body, len(p.ids), engine.max_model_len, max_tokens, body.logprobs, echo_logprobs)
+        for p in prompts
     ]
     rid = f"cmpl-{uuid.uuid4().hex}"
-    streams = start_all(engine, rid, ids, params)
+    streams = start_all(engine, rid, [p.ids for p in prompts], params)
     if body.stream:
         usage_chunk = None
         if body.stream_options is not None and body.stream_options.include_usage:
             usage_chunk = functools.partial(CompletionResponse, id=rid, model=model)
         chunks = functools.partial(_chunks, rid, model, body, texts, engine.tokenizer)
-        return stream_response(streams, body.n, chunks, usage_chunk)
-    outputs = await final_outputs(request, streams)
-    if outputs is None:
+        outputs = _without_completions(merged(streams)) if prompt_only else merged(streams)
+        return stream_response(outputs, body.n, chunks, usage_chunk)
+    finals = await final_outputs(request, streams)
+    if finals is None:
         return None
+    if prompt_only:
+        finals = [_prompt_alone(out) for out in finals]
     choices = [
         _choice(
             i * body.n + c.index, out, c, texts[i] if body.echo else None, body.logprobs, engine.tokenizer
         )
-        for i, out in enumerate(outputs)
+        for i, out in enumerate(finals)
         for c in out.outputs
     ]
-    return CompletionResponse(id=rid, model=model, choices=choices, usage=usage(outputs))
+    return CompletionResponse(id=rid, model=model, choices=choices, usage=usage(finals))
+
+
+def _prompt_alone(out: RequestOutput) -> RequestOutput:
+    empty = [
+        CompletionOutput(c.index, "", [], None, None if c.logprobs is None else [], "length", None)
+        for c in out.outputs
+    ]
+    return dataclasses.replace(out, outputs=empty)
+
+
+async def _without_completions(
+    outputs: AsyncIterator[tuple[int, RequestOutput]],
+) -> AsyncIterator[tuple[int, RequestOutput]]:
+    async with contextlib.aclosing(outputs):
+        async for i, out in outputs:
+            yield i, _prompt_alone(out)
 
 
 def _choice(

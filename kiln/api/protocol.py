@@ -55,7 +55,7 @@ class TextPart(msgspec.Struct):
 
 
 class ChatMessage(msgspec.Struct):
-    role: str
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
 

@@ -155,18 +155,18 @@ class ChoiceDelta:
 
 
 def stream_response(
-    streams: list[RequestStream],
+    outputs: AsyncIterator[tuple[int, RequestOutput]],
     n: int,
     chunks: Callable[[list[ChoiceDelta]], list[msgspec.Struct]],
     usage_chunk: Callable[..., msgspec.Struct] | None,
 ) -> StreamingResponse:
-    """What both endpoints stream: each engine output's choice deltas, as the endpoint's chunks; then,
-    with usage_chunk (the endpoint's chunk type), one chunk without choices that has the usage."""
-    return _sse(_events(streams, n, chunks, usage_chunk))
+    """What both endpoints stream: each engine output (from `merged`) as the endpoint's chunks of choice
+    deltas; then, with usage_chunk (the endpoint's chunk type), one chunk without choices with the usage."""
+    return _sse(_events(outputs, n, chunks, usage_chunk))
 
 
 async def _events(
-    streams: list[RequestStream],
+    outputs: AsyncIterator[tuple[int, RequestOutput]],
     n: int,
     chunks: Callable[[list[ChoiceDelta]], list[msgspec.Struct]],
     usage_chunk: Callable[..., msgspec.Struct] | None,
@@ -174,7 +174,7 @@ async def _events(
     sent: dict[int, int] = {}  # choice index -> characters sent
     prompt_tokens: dict[int, int] = {}
     completion_tokens = 0
-    async for i, out in merged(streams):
+    async for i, out in outputs:
         deltas = []
         for c in out.outputs:
             index = i * n + c.index

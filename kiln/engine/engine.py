@@ -130,14 +130,14 @@ class LLMEngine:
     def check_prompt(self, ids: list[int]) -> None:
         if not ids:
             raise ValueError("prompt is empty")
-        vocab = self.model.dims.vocab_size
-        if any(not 0 <= t < vocab for t in ids):
-            raise ValueError(f"prompt token ids must be in [0, {vocab})")
         if len(ids) >= self.max_model_len:
             raise ValueError(
                 f"prompt has {len(ids)} tokens, which leaves no room to generate within "
                 f"max_model_len={self.max_model_len}"
             )
+        vocab = self.model.dims.vocab_size
+        if any(not 0 <= t < vocab for t in ids):
+            raise ValueError(f"prompt token ids must be in [0, {vocab})")
 
     def check_params(self, params: SamplingParams) -> None:
         """What SamplingParams can't check alone: limits that depend on the model."""
@@ -146,9 +146,10 @@ class LLMEngine:
             k = getattr(params, name)
             if k is not None and k > MAX_LOGPROBS:
                 raise ValueError(f"{name} must be at most {MAX_LOGPROBS}, got {k}")
-        bad = [t for t in params.logit_bias or {} if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"logit_bias token ids must be in [0, {vocab}), got {bad[:4]}")
+        for name in ("logit_bias", "stop_token_ids"):
+            bad = [t for t in getattr(params, name) or () if not 0 <= t < vocab]
+            if bad:
+                raise ValueError(f"{name} token ids must be in [0, {vocab}), got {bad[:4]}")
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> None:
         """Validates, then queues; raises ValueError (and queues nothing) for a bad prompt or params."""

@@ -15,6 +15,8 @@ import httpx
 import yaml
 
 READY_TIMEOUT_S = 180
+API_KEY = "test-key"
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
 
 
 def free_port() -> int:
@@ -67,3 +69,19 @@ def start_server(tmp: Path, config: dict, *flags: str, env: dict[str, str] | Non
         time.sleep(0.1)
     server.stop()
     raise RuntimeError(f"kiln serve was not ready in {READY_TIMEOUT_S} s:\n{server.output()}")
+
+
+def expect_error(response: httpx.Response, status: int, kind: str, param: str | None = None) -> str:
+    """Asserts an OpenAI-style error body with this status, type and param; returns its message."""
+    assert response.status_code == status, response.text
+    body = response.json()
+    assert list(body) == ["error"]
+    error = body["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert (error["type"], error["param"], error["code"]) == (kind, param, status)
+    assert error["message"]
+    return error["message"]
+
+
+def post(server: Server, path: str, timeout: float = 60, **kwargs: object) -> httpx.Response:
+    return httpx.post(f"{server.url}{path}", headers=AUTH, timeout=timeout, **kwargs)  # type: ignore[arg-type]

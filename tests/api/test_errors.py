@@ -6,29 +6,13 @@ import httpx
 import openai
 import pytest
 
-from tests.api.server import Server
+from tests.api.server import AUTH, Server, expect_error, post
 from tests.conftest import API_KEY, MAX_MODEL_LEN, MAX_REQUEST_BYTES
 
 pytestmark = pytest.mark.slow
 
 MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
-AUTH = {"Authorization": f"Bearer {API_KEY}"}
 MESSAGES = [{"role": "user", "content": "Hi"}]
-
-
-def expect_error(response: httpx.Response, status: int, kind: str, param: str | None = None) -> str:
-    assert response.status_code == status, response.text
-    body = response.json()
-    assert list(body) == ["error"]
-    error = body["error"]
-    assert set(error) == {"message", "type", "param", "code"}
-    assert (error["type"], error["param"], error["code"]) == (kind, param, status)
-    assert error["message"]
-    return error["message"]
-
-
-def post(server: Server, path: str, **kwargs: object) -> httpx.Response:
-    return httpx.post(f"{server.url}{path}", headers=AUTH, timeout=60, **kwargs)  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize(

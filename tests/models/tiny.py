@@ -79,3 +79,18 @@ def build(name: str, path: Path, head_dim: int | None = None) -> torch.nn.Module
     model.save_pretrained(path)
     save_tokenizer(path)
     return model.eval()
+
+
+def build_default_vocab(path: Path, tokenizer_dir: Path) -> Path:
+    """A 2-layer random Llama with the default model's tokenizer and chat template (vocabulary 49,152):
+    the API around it is real, and its forward costs next to nothing."""
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tokenizer_dir)
+    config = transformers.LlamaConfig(
+        **dict(_LLAMA, vocab_size=len(tokenizer), max_position_embeddings=8192),
+        bos_token_id=None,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path

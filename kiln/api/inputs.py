@@ -1,0 +1,192 @@
+"""Request bodies into engine inputs, bounded before any work: the operator's limits and range checks come
+first, then decoding, tokenizing and templating. Small inputs are handled inline; a large one on a worker
+thread, so the event loop never does work that grows with a body and small requests never queue behind
+a large one. The worker never calls torch: the engine's thread keeps the only OpenMP pool."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import msgspec
+
+from kiln.api.errors import APIError
+from kiln.api.protocol import ChatMessage, CompletionRequest, _SamplingRequest
+from kiln.config import ServerConfig
+from kiln.engine.chat_template import render_chat
+
+T = TypeVar("T")
+
+# Characters, token ids or body bytes handled on the event loop; tokenizing this many takes ~10 ms.
+INLINE_SIZE = 16384
+
+
+@dataclass(slots=True)
+class Prompt:
+    ids: list[int]
+    text: str | None  # the prompt as text, for echo: a string prompt, or token ids decoded when echo asks
+
+
+class Inputs:
+    def __init__(
+        self,
+        tokenizer: Any,
+        max_model_len: int,
+        check_prompt: Callable[[list[int]], None],
+        limits: ServerConfig,
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.check_prompt = check_prompt  # the engine's: token ids in range, room left to generate
+        self.limits = limits
+        longest = max(map(len, tokenizer.get_vocab()))
+        self.max_prompt_chars = limits.max_prompt_chars or 2 * max_model_len * longest
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="kiln-inputs")
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)
+
+    async def run(self, size: int, fn: Callable[..., T], *args: Any) -> T:
+        """fn(*args), inline when `size` (characters, ids or bytes) is small, else on the worker."""
+        if size <= INLINE_SIZE:
+            return fn(*args)
+        return await asyncio.get_running_loop().run_in_executor(self.pool, functools.partial(fn, *args))
+
+    async def decode_body(self, data: bytes, kind: type[T]) -> T:
+        return await self.run(len(data), _decode_json, data, kind)
+
+    # -- limits ---------------------------------------------------------------------------------
+
+    def check_request(self, body: _SamplingRequest) -> None:
+        """The limits on what one request may ask for, before anything is tokenized or queued."""
+        lim = self.limits
+        if body.n > lim.max_n_sequences:
+            raise APIError(400, f"n must be at most {lim.max_n_sequences} (server.max_n_sequences)", "n")
+        stops = 1 if isinstance(body.stop, str) else len(body.stop or [])
+        if stops > lim.max_stop_strings:
+            raise APIError(
+                400, f"stop may hold at most {lim.max_stop_strings} strings (server.max_stop_strings)", "stop"
+            )
+
+    def _check_chars(self, chars: int, param: str) -> None:
+        if chars > self.max_prompt_chars:
+            raise APIError(
+                400,
+                f"the prompt has {chars} characters, over the limit of {self.max_prompt_chars} "
+                "(server.max_prompt_chars)",
+                param,
+            )
+
+    # -- completions ----------------------------------------------------------------------------
+
+    async def completion_prompts(self, body: CompletionRequest) -> list[Prompt]:
+        prompts = prompt_list(body.prompt)
+        if len(prompts) > self.limits.max_completion_prompts:
+            raise APIError(
+                400,
+                f"a request may hold at most {self.limits.max_completion_prompts} prompts "
+                "(server.max_completion_prompts)",
+                "prompt",
+            )
+        self._check_chars(max(len(p) if isinstance(p, str) else 0 for p in prompts), "prompt")
+        size = sum(len(p) for p in prompts)
+        return await self.run(size, self._completion_prompts, prompts, body.echo)
+
+    def _completion_prompts(self, prompts: list[str | list[int]], echo: bool) -> list[Prompt]:
+        out = []
+        for p in prompts:
+            if isinstance(p, str):
+                out.append(Prompt(self.tokenizer.encode(p), p))
+                continue
+            try:
+                self.check_prompt(p)
+            except ValueError as e:
+                raise APIError(400, str(e), "prompt") from None
+            out.append(Prompt(p, self.tokenizer.decode(p) if echo else None))
+        return out
+
+    # -- chat and tokenize ----------------------------------------------------------------------
+
+    async def chat_ids(
+        self,
+        messages: list[ChatMessage],
+        add_generation_prompt: bool = True,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> list[int]:
+        chars = sum(_content_chars(m) for m in messages)
+        self._check_chars(chars, "messages")
+        return await self.run(
+            chars + len(messages), render_messages, self.tokenizer, messages, add_generation_prompt,
+            chat_template_kwargs,
+        )  # fmt: skip
+
+    async def encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        self._check_chars(len(text), "prompt")
+        return await self.run(len(text), self.tokenizer.encode, text, add_special_tokens)
+
+    async def decode(self, tokens: list[int], vocab_size: int) -> str:
+        return await self.run(len(tokens), self._decode, tokens, vocab_size)
+
+    def _decode(self, tokens: list[int], vocab_size: int) -> str:
+        if any(not 0 <= t < vocab_size for t in tokens):
+            raise APIError(400, f"token ids must be in [0, {vocab_size})", "tokens")
+        return self.tokenizer.decode(tokens)
+
+
+def prompt_list(prompt: Any) -> list[str | list[int]]:
+    """OpenAI's four prompt shapes as a list of single prompts."""
+    if isinstance(prompt, str):
+        return [prompt]
+    if prompt and all(isinstance(p, int) for p in prompt):
+        return [prompt]
+    if prompt and (all(isinstance(p, str) for p in prompt) or all(isinstance(p, list) for p in prompt)):
+        return list(prompt)
+    raise APIError(
+        400,
+        "prompt must be a string, a list of strings, a list of token ids or a list of token-id lists",
+        "prompt",
+    )
+
+
+def render_messages(
+    tokenizer: Any,
+    messages: list[ChatMessage],
+    add_generation_prompt: bool = True,
+    chat_template_kwargs: dict[str, Any] | None = None,
+) -> list[int]:
+    """The request's messages (text content parts joined) through the model's chat template."""
+    plain = []
+    for i, m in enumerate(messages):
+        content = m.content
+        if isinstance(content, list):
+            for j, part in enumerate(content):
+                where = f"messages[{i}].content[{j}]"
+                if part.type != "text":
+                    raise APIError(
+                        400, f"{where}: only text content parts are supported, not {part.type!r}", "messages"
+                    )
+                if part.text is None:
+                    raise APIError(400, f"{where}: a text part needs its `text`", "messages")
+            content = "".join(part.text or "" for part in content)
+        plain.append({"role": m.role, "content": content or ""})
+    try:
+        return render_chat(tokenizer, plain, add_generation_prompt, chat_template_kwargs)
+    except ValueError as e:
+        raise APIError(400, str(e), "messages") from None
+
+
+def _content_chars(message: ChatMessage) -> int:
+    content = message.content
+    if isinstance(content, list):
+        return sum(len(part.text or "") for part in content)
+    return len(content or "")
+
+
+def _decode_json(data: bytes, kind: type[T]) -> T:
+    try:
+        return msgspec.json.decode(data, type=kind)
+    except RecursionError:  # msgspec's own depth guard
+        raise APIError(400, "the request body is not valid JSON: it is nested too deeply") from None
