@@ -54,6 +54,7 @@ class SamplingParams(msgspec.Struct, kw_only=True):
                 "must be non-negative",
             ),
             ("stop", all(s for s in self.stop), "must not contain empty strings"),
+            ("seed", self.seed is None or -(2**63) <= self.seed < 2**63, "must fit in 64 bits"),
         ]
         for name, ok, why in checks:
             if not ok:

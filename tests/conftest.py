@@ -1,6 +1,7 @@
 import os
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -11,6 +12,21 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from tests.api.server import API_KEY, Server, start_server
+
+# What the fuzz suite sent and what came back, printed at the end of the run.
+FUZZ_REPORT = pytest.StashKey[list[str]]()
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--fuzz-examples", type=int, default=None, help="examples for tests/api/test_fuzz.py")
+
+
+def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
+    lines = config.stash.get(FUZZ_REPORT, [])
+    if lines:
+        terminalreporter.section("fuzz")
+        for line in lines:
+            terminalreporter.write_line(line)
 
 
 @pytest.fixture(scope="session")

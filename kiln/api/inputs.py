@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import inspect
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -157,7 +158,13 @@ def render_messages(
     add_generation_prompt: bool = True,
     chat_template_kwargs: dict[str, Any] | None = None,
 ) -> list[int]:
-    """The request's messages (text content parts joined) through the model's chat template."""
+    """The request's messages (text content parts joined) through the model's chat template. The
+    template's variables may come from the request, but never the template itself or the call's own
+    arguments: a request's template could run unbounded loops (vLLM refuses it too)."""
+    reserved = set(inspect.signature(tokenizer.apply_chat_template).parameters)
+    for key in chat_template_kwargs or {}:
+        if key in reserved:
+            raise APIError(400, f"chat_template_kwargs may not set {key!r}", "chat_template_kwargs")
     plain = []
     for i, m in enumerate(messages):
         content = m.content

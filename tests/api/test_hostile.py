@@ -101,6 +101,23 @@ def test_limits(tiny_server: Server, path: str, body: dict, param: str, limit: s
 
 
 @pytest.mark.parametrize(
+    "body, param",
+    [
+        (
+            {"chat_template_kwargs": {"chat_template": "{% for i in range(99999) %}{% endfor %}"}},
+            "chat_template_kwargs",
+        ),
+        ({"chat_template_kwargs": {"tokenize": False}}, "chat_template_kwargs"),
+        ({"seed": 2**70}, "seed"),
+    ],
+)
+def test_what_the_fuzzer_found(tiny_server: Server, body: dict, param: str) -> None:
+    """A request's own chat template could loop for hours on the event loop; a seed past 64 bits."""
+    r = post(tiny_server, "/v1/chat/completions", json={"messages": HI, **body})
+    expect_error(r, 400, "BadRequestError", param)
+
+
+@pytest.mark.parametrize(
     "messages, where",
     [
         ([{"role": "wizard", "content": "hi"}], "$.messages[0].role"),
