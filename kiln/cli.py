@@ -74,6 +74,7 @@ SERVE_FLAGS: dict[str, tuple[str, str, dict]] = {
     "--max-n-sequences": ("server", "max_n_sequences", {"type": int, "help": "largest n a request may ask"}),
     "--max-stop-strings": ("server", "max_stop_strings", {"type": int}),
     "--max-completion-prompts": ("server", "max_completion_prompts", {"type": int}),
+    "--loop-nice": ("server", "loop_nice", {"type": int, "help": "event loop's nice above the engine's"}),
     "--max-prompt-chars": ("server", "max_prompt_chars", {"type": int, "help": "checked before tokenizing"}),
 }
 

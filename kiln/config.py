@@ -111,6 +111,9 @@ class ServerConfig(_Section):
     # Characters of prompt text, checked before tokenizing. null: max_model_len tokens of the tokenizer's
     # longest token, twice over (normalizers may shorten text), so no prompt that fits is refused.
     max_prompt_chars: Annotated[int, Meta(ge=1)] | None = None
+    # The event loop's nice value above the engine's (Linux): bulk work such as receiving large bodies
+    # yields the cores to the engine's threads. 0 leaves both equal.
+    loop_nice: Annotated[int, Meta(ge=0, le=19)] = 5
 
 
 class ServeConfig(EngineConfig):

@@ -65,7 +65,7 @@ class Offline:
 def start_server(args: argparse.Namespace, port: int, max_num_seqs: int) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "kiln", "--log-level", "WARNING", "serve", "--port", str(port)]
     cmd += ["--max-num-seqs", str(max_num_seqs), "--max-model-len", str(args.max_model_len)]
-    cmd += ["--dtype", args.dtype, "--kv-cache-gib", str(args.kv_cache_gib)]
+    cmd += ["--dtype", args.dtype, "--kv-cache-gib", str(args.kv_cache_gib), *args.serve_args.split()]
     proc = subprocess.Popen(cmd)
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
@@ -151,6 +151,7 @@ def main() -> None:
     parser.add_argument("--max-model-len", type=int, default=1024)
     parser.add_argument("--kv-cache-gib", type=float, default=1.0)
     parser.add_argument("--json", help="write the results here")
+    parser.add_argument("--serve-args", default="", help="more `kiln serve` flags, e.g. '--loop-nice 0'")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)

@@ -6,6 +6,7 @@ a large one. The worker never calls torch: the engine's thread keeps the only Op
 from __future__ import annotations
 
 import asyncio
+import copy
 import functools
 import inspect
 from collections.abc import Callable
@@ -22,7 +23,7 @@ from kiln.engine.chat_template import render_chat
 
 T = TypeVar("T")
 
-# Characters, token ids or body bytes handled on the event loop; tokenizing this many takes ~10 ms.
+# Bodies up to this many bytes are handled on the event loop: tokenizing this much text takes ~10 ms.
 INLINE_SIZE = 16384
 
 
@@ -33,39 +34,53 @@ class Prompt:
 
 
 class Inputs:
+    """Shared by every request; `for_body(size)` gives one request's view, which works inline when the
+    request's body is small and on the worker when it is not."""
+
     def __init__(
         self,
         tokenizer: Any,
+        vocab_size: int,
         max_model_len: int,
         check_prompt: Callable[[list[int]], None],
         limits: ServerConfig,
     ) -> None:
         self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
         self.check_prompt = check_prompt  # the engine's: token ids in range, room left to generate
         self.limits = limits
         longest = max(map(len, tokenizer.get_vocab()))
         self.max_prompt_chars = limits.max_prompt_chars or 2 * max_model_len * longest
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="kiln-inputs")
+        self.inline = True
+
+    def for_body(self, size: int) -> Inputs:
+        view = copy.copy(self)
+        view.inline = size <= INLINE_SIZE
+        return view
 
     def close(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)
 
-    async def run(self, size: int, fn: Callable[..., T], *args: Any) -> T:
-        """fn(*args), inline when `size` (characters, ids or bytes) is small, else on the worker."""
-        if size <= INLINE_SIZE:
+    async def run(self, fn: Callable[..., T], *args: Any) -> T:
+        if self.inline:
             return fn(*args)
         return await asyncio.get_running_loop().run_in_executor(self.pool, functools.partial(fn, *args))
 
-    async def decode_body(self, data: bytes, kind: type[T]) -> T:
-        return await self.run(len(data), _decode_json, data, kind)
+    async def parse(self, data: bytes, kind: type[T]) -> T:
+        return await self.run(_parse, data, kind)
 
     # -- limits ---------------------------------------------------------------------------------
 
     def check_request(self, body: _SamplingRequest) -> None:
-        """The limits on what one request may ask for, before anything is tokenized or queued."""
+        """The limits on what one request may ask for, before anything is tokenized or queued (all O(1),
+        so on the event loop)."""
         lim = self.limits
         if body.n > lim.max_n_sequences:
             raise APIError(400, f"n must be at most {lim.max_n_sequences} (server.max_n_sequences)", "n")
+        for name in ("logit_bias", "stop_token_ids"):  # more entries than tokens repeat or are out of range
+            if len(getattr(body, name) or ()) > self.vocab_size:
+                raise APIError(400, f"{name} may hold at most {self.vocab_size} entries", name)
         stops = 1 if isinstance(body.stop, str) else len(body.stop or [])
         if stops > lim.max_stop_strings:
             raise APIError(
@@ -84,7 +99,10 @@ class Inputs:
     # -- completions ----------------------------------------------------------------------------
 
     async def completion_prompts(self, body: CompletionRequest) -> list[Prompt]:
-        prompts = prompt_list(body.prompt)
+        return await self.run(self._completion_prompts, body.prompt, body.echo)
+
+    def _completion_prompts(self, prompt: Any, echo: bool) -> list[Prompt]:
+        prompts = prompt_list(prompt)
         if len(prompts) > self.limits.max_completion_prompts:
             raise APIError(
                 400,
@@ -93,10 +111,6 @@ class Inputs:
                 "prompt",
             )
         self._check_chars(max(len(p) if isinstance(p, str) else 0 for p in prompts), "prompt")
-        size = sum(len(p) for p in prompts)
-        return await self.run(size, self._completion_prompts, prompts, body.echo)
-
-    def _completion_prompts(self, prompts: list[str | list[int]], echo: bool) -> list[Prompt]:
         out = []
         for p in prompts:
             if isinstance(p, str):
@@ -117,23 +131,26 @@ class Inputs:
         add_generation_prompt: bool = True,
         chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[int]:
-        chars = sum(_content_chars(m) for m in messages)
-        self._check_chars(chars, "messages")
-        return await self.run(
-            chars + len(messages), render_messages, self.tokenizer, messages, add_generation_prompt,
-            chat_template_kwargs,
-        )  # fmt: skip
+        return await self.run(self._chat_ids, messages, add_generation_prompt, chat_template_kwargs)
 
-    async def encode(self, text: str, add_special_tokens: bool) -> list[int]:
+    def _chat_ids(
+        self, messages: list[ChatMessage], add_generation_prompt: bool, kwargs: dict[str, Any] | None
+    ) -> list[int]:
+        self._check_chars(sum(_content_chars(m) for m in messages), "messages")
+        return render_messages(self.tokenizer, messages, add_generation_prompt, kwargs)
+
+    async def tokenize(self, text: str, add_special_tokens: bool) -> list[int]:
         self._check_chars(len(text), "prompt")
-        return await self.run(len(text), self.tokenizer.encode, text, add_special_tokens)
+        return await self.run(
+            functools.partial(self.tokenizer.encode, add_special_tokens=add_special_tokens), text
+        )
 
-    async def decode(self, tokens: list[int], vocab_size: int) -> str:
-        return await self.run(len(tokens), self._decode, tokens, vocab_size)
+    async def detokenize(self, tokens: list[int]) -> str:
+        return await self.run(self._detokenize, tokens)
 
-    def _decode(self, tokens: list[int], vocab_size: int) -> str:
-        if any(not 0 <= t < vocab_size for t in tokens):
-            raise APIError(400, f"token ids must be in [0, {vocab_size})", "tokens")
+    def _detokenize(self, tokens: list[int]) -> str:
+        if any(not 0 <= t < self.vocab_size for t in tokens):
+            raise APIError(400, f"token ids must be in [0, {self.vocab_size})", "tokens")
         return self.tokenizer.decode(tokens)
 
 
@@ -192,7 +209,7 @@ def _content_chars(message: ChatMessage) -> int:
     return len(content or "")
 
 
-def _decode_json(data: bytes, kind: type[T]) -> T:
+def _parse(data: bytes, kind: type[T]) -> T:
     try:
         return msgspec.json.decode(data, type=kind)
     except RecursionError:  # msgspec's own depth guard

@@ -195,6 +195,7 @@ class LLMEngine:
             text=SequenceText(IncrementalDetokenizer(self.tokenizer, ids, p.skip_special_tokens), p.stop),
             generator=generator,
             min_tokens_banned=banned,
+            stop_ids=frozenset(p.stop_token_ids),
             logprobs=[] if p.logprobs is not None else None,
             prompt_logprobs=[None] if p.prompt_logprobs is not None else None,
         )

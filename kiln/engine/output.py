@@ -201,7 +201,7 @@ class OutputProcessor:
         if req.num_output_tokens >= p.min_tokens:
             if not p.ignore_eos and token in self.eos_token_ids:
                 reason = ("stop", None)
-            elif token in p.stop_token_ids:
+            elif token in req.stop_ids:
                 reason = ("stop", token)
         # As vLLM: the text of a stop token is left out unless include_stop_str_in_output.
         if reason is None or p.include_stop_str_in_output:

@@ -40,6 +40,7 @@ class Request:
     text: SequenceText
     generator: torch.Generator | None = None
     min_tokens_banned: list[int] = field(default_factory=list)  # EOS and stop ids, until min_tokens
+    stop_ids: frozenset[int] = frozenset()  # params.stop_token_ids, checked against every output token
     status: Status = Status.WAITING
     num_computed_tokens: int = 0
     num_cached_tokens: int = -1  # prompt tokens served from the prefix cache at first admission

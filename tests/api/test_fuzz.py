@@ -11,8 +11,8 @@ import httpx
 import pytest
 from hypothesis import HealthCheck, given, settings
 
+from kiln.perf.probe import HealthProbe
 from tests.api.fuzz import requests
-from tests.api.probe import HealthProbe
 from tests.api.server import AUTH, Server
 from tests.conftest import FUZZ_REPORT
 

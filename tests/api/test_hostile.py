@@ -10,7 +10,7 @@ import time
 import httpx
 import pytest
 
-from tests.api.probe import HealthProbe
+from kiln.perf.probe import HealthProbe
 from tests.api.server import AUTH, Server, expect_error, post
 from tests.conftest import TINY_LIMITS, TINY_MAX_MODEL_LEN
 

@@ -1,5 +1,5 @@
-"""Polls /health every 20 ms from its own process while a test runs, so the test process's own work (a
-fuzzer generating bodies, a client sending 10 MB) never shows in the timings.
+"""Polls /health every 20 ms from its own process while a test or benchmark runs, so the caller's own work
+(a fuzzer generating bodies, a client sending 10 MB) never shows in the timings.
 
     with HealthProbe(url) as probe:
         ...
@@ -12,11 +12,8 @@ import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 
 import httpx
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
 class HealthProbe:
@@ -26,9 +23,11 @@ class HealthProbe:
         self.statuses: list[int] = []
 
     def __enter__(self) -> HealthProbe:
-        cmd = [sys.executable, "-m", "tests.api.probe", self.url]
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-        assert self.proc.stdout is not None and self.proc.stdout.readline().strip() == "ready"
+        cmd = [sys.executable, "-m", "kiln.perf.probe", self.url]
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        assert self.proc.stdout is not None
+        if self.proc.stdout.readline().strip() != "ready":
+            raise RuntimeError(f"the /health probe could not reach {self.url}")
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -37,17 +36,18 @@ class HealthProbe:
         self.latencies = [p[0] for p in polls]
         self.statuses = [p[1] for p in polls]
 
-    def summary(self) -> str:
+    def quantile(self, q: float) -> float:
         lat = sorted(self.latencies)
-        p99 = lat[int(0.99 * (len(lat) - 1))]
-        return (
-            f"/health: {len(lat)} polls, p50 {1000 * lat[len(lat) // 2]:.1f} ms, "
-            f"p99 {1000 * p99:.1f} ms, max {1000 * lat[-1]:.1f} ms"
-        )
+        return lat[round(q * (len(lat) - 1))]
 
     def p99(self) -> float:
-        lat = sorted(self.latencies)
-        return lat[int(0.99 * (len(lat) - 1))]
+        return self.quantile(0.99)
+
+    def summary(self) -> str:
+        return (
+            f"/health: {len(self.latencies)} polls, p50 {1000 * self.quantile(0.5):.1f} ms, "
+            f"p99 {1000 * self.p99():.1f} ms, max {1000 * max(self.latencies):.1f} ms"
+        )
 
 
 def main(url: str) -> None:
