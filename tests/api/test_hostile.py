@@ -111,8 +111,9 @@ def test_limits(tiny_server: Server, path: str, body: dict, param: str, limit: s
         ({"seed": 2**70}, "seed"),
     ],
 )
-def test_what_the_fuzzer_found(tiny_server: Server, body: dict, param: str) -> None:
-    """A request's own chat template could loop for hours on the event loop; a seed past 64 bits."""
+def test_template_kwargs_and_seed(tiny_server: Server, body: dict, param: str) -> None:
+    """A request's own chat template could loop for hours on the event loop; a seed past 64 bits got a
+    400 that named nothing."""
     r = post(tiny_server, "/v1/chat/completions", json={"messages": HI, **body})
     expect_error(r, 400, "BadRequestError", param)
 
