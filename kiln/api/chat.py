@@ -32,6 +32,7 @@ from kiln.api.serving import (
     usage,
 )
 from kiln.engine.async_engine import AsyncEngine
+from kiln.engine.engine import MAX_LOGPROBS
 from kiln.engine.request import PositionLogprobs
 
 
@@ -41,6 +42,8 @@ async def create_chat_completion(
     model = engine.model_name
     if body.top_logprobs is not None and not body.logprobs:
         raise APIError(400, "top_logprobs needs logprobs set to true", "top_logprobs")
+    if body.top_logprobs is not None and not 0 <= body.top_logprobs <= MAX_LOGPROBS:
+        raise APIError(400, f"top_logprobs must be in [0, {MAX_LOGPROBS}]", "top_logprobs")
     inputs.check_request(body)
     ids = await inputs.chat_ids(body.messages, body.add_generation_prompt, body.chat_template_kwargs)
     k = (body.top_logprobs or 0) if body.logprobs else None

@@ -62,6 +62,11 @@ def test_empty_messages_and_prompts(server: Server) -> None:
     )
     r = post(server, "/v1/chat/completions", json={"messages": MESSAGES, "top_logprobs": 2})
     expect_error(r, 400, "BadRequestError", "top_logprobs")
+    for k in (-1, 21):
+        r = post(
+            server, "/v1/chat/completions", json={"messages": MESSAGES, "logprobs": True, "top_logprobs": k}
+        )
+        expect_error(r, 400, "BadRequestError", "top_logprobs")
 
 
 def test_too_long(server: Server) -> None:
