@@ -1,0 +1,317 @@
+// kiln's CPU kernels: a linear layer over packed 16- or 32-bit weights and paged attention, both
+// batch-invariant. Every output element is computed by the same sequence of float32 operations whatever
+// the number of rows in the call, how rows are tiled, or how work is split across threads:
+//  - linear: y[m, n] = bias[n] + sum over k of x[m, k] * w[n, k], accumulated by one FMA chain in k order;
+//  - attention: a query row's online softmax walks its context in KV-cache blocks from position 0.
+// Built once per machine by kiln/ops/cpu/native.py; registered as torch ops under `kiln_cpu`.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros_like.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+#if !defined(__AVX2__) || !defined(__FMA__) || !defined(__F16C__)
+#error "kiln's CPU kernels need AVX2, FMA and F16C"
+#endif
+
+namespace {
+
+constexpr int64_t kBlock = 16;  // packed weight columns per block: two 8-float vectors
+
+// Eight weights widened to float32.
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const c10::Half* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+inline __m256 load8(const c10::BFloat16* p) {
+  __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+}
+inline float load1(const float* p) { return *p; }
+inline float load1(const c10::Half* p) { return static_cast<float>(*p); }
+inline float load1(const c10::BFloat16* p) { return static_cast<float>(*p); }
+
+// ---------------------------------------------------------------------------------------------------
+// linear: x [M, K] float32 (rows may be strided), w packed [NB, K, 16] (column n of block b is
+// w[b, :, n % 16], zero past N), bias [N] float32 or none -> y [M, N] float32.
+
+// MR rows by NB blocks: MR * NB * 2 accumulators, each one column vector's FMA chain over k.
+template <typename W, int MR, int NB>
+inline void tile(const float* x, int64_t ldx, const W* w, int64_t K, const float* bias, float* y,
+                 int64_t ldy, int64_t n0, int64_t N) {
+  __m256 acc[MR][NB * 2];
+#pragma GCC unroll 24
+  for (int m = 0; m < MR; ++m)
+#pragma GCC unroll 8
+    for (int j = 0; j < NB * 2; ++j) acc[m][j] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < K; ++k) {
+    __m256 wv[NB * 2];
+#pragma GCC unroll 8
+    for (int b = 0; b < NB; ++b) {
+      const W* p = w + (b * K + k) * kBlock;
+      wv[2 * b] = load8(p);
+      wv[2 * b + 1] = load8(p + 8);
+    }
+#pragma GCC unroll 8
+    for (int m = 0; m < MR; ++m) {
+      __m256 xv = _mm256_broadcast_ss(x + m * ldx + k);
+#pragma GCC unroll 8
+      for (int j = 0; j < NB * 2; ++j) acc[m][j] = _mm256_fmadd_ps(xv, wv[j], acc[m][j]);
+    }
+  }
+  // Spill the tile through a buffer: indexing acc with a run-time bound would keep it in memory.
+  alignas(32) float out[MR][NB * kBlock];
+#pragma GCC unroll 8
+  for (int m = 0; m < MR; ++m)
+#pragma GCC unroll 8
+    for (int j = 0; j < NB * 2; ++j) _mm256_store_ps(&out[m][j * 8], acc[m][j]);
+  const int64_t width = std::min<int64_t>(NB * kBlock, N - n0);
+  for (int m = 0; m < MR; ++m) {
+    float* dst = y + m * ldy + n0;
+    if (bias)
+      for (int64_t i = 0; i < width; ++i) dst[i] = out[m][i] + bias[n0 + i];
+    else
+      for (int64_t i = 0; i < width; ++i) dst[i] = out[m][i];
+  }
+}
+
+// Blocks [b0, b1) for rows [0, M): the tile shape follows the rows left, never the arithmetic.
+template <typename W, int MR>
+inline void rows(const float* x, int64_t ldx, const W* w, int64_t K, const float* bias, float* y,
+                 int64_t ldy, int64_t N, int64_t b0, int64_t b1) {
+  constexpr int NB = MR == 1 ? 4 : MR == 2 ? 2 : 1;
+  int64_t b = b0;
+  for (; b + NB <= b1; b += NB) tile<W, MR, NB>(x, ldx, w + b * K * kBlock, K, bias, y, ldy, b * kBlock, N);
+  for (; b < b1; ++b) tile<W, MR, 1>(x, ldx, w + b * K * kBlock, K, bias, y, ldy, b * kBlock, N);
+}
+
+template <typename W>
+void linear_impl(const float* x, int64_t ldx, const W* w, int64_t K, int64_t NB, const float* bias,
+                 float* y, int64_t M, int64_t N) {
+  // Weight blocks per chunk: a chunk (about 256 KiB) stays in L2 while every row tile passes over it.
+  const int64_t chunk = std::max<int64_t>(1, (256 << 10) / (K * kBlock * int64_t(sizeof(W))));
+  at::parallel_for(0, NB, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t c0 = begin; c0 < end; c0 += chunk) {
+      int64_t c1 = std::min(end, c0 + chunk);
+      int64_t m = 0;
+      for (; m + 6 <= M; m += 6) rows<W, 6>(x + m * ldx, ldx, w, K, bias, y + m * N, N, N, c0, c1);
+      const float* xm = x + m * ldx;
+      float* ym = y + m * N;
+      switch (M - m) {
+        case 5: rows<W, 5>(xm, ldx, w, K, bias, ym, N, N, c0, c1); break;
+        case 4: rows<W, 4>(xm, ldx, w, K, bias, ym, N, N, c0, c1); break;
+        case 3: rows<W, 3>(xm, ldx, w, K, bias, ym, N, N, c0, c1); break;
+        case 2: rows<W, 2>(xm, ldx, w, K, bias, ym, N, N, c0, c1); break;
+        case 1: rows<W, 1>(xm, ldx, w, K, bias, ym, N, N, c0, c1); break;
+        default: break;
+      }
+    }
+  });
+}
+
+at::Tensor linear(const at::Tensor& x_in, const at::Tensor& w, int64_t n, const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x_in.scalar_type() == at::kFloat && x_in.dim() == 2, "kiln_cpu::linear: x must be 2-D float32");
+  TORCH_CHECK(w.dim() == 3 && w.size(2) == kBlock && w.size(1) == x_in.size(1) && w.is_contiguous(),
+              "kiln_cpu::linear: w must be packed [blocks, K, 16] with K = x.size(1)");
+  TORCH_CHECK(n > (w.size(0) - 1) * kBlock && n <= w.size(0) * kBlock, "kiln_cpu::linear: n does not fit w");
+  at::Tensor x = x_in.stride(1) == 1 ? x_in : x_in.contiguous();
+  const float* b = nullptr;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == n,
+                "kiln_cpu::linear: bias must be float32 [n]");
+    b = bias->data_ptr<float>();
+  }
+  const int64_t M = x.size(0), K = x.size(1), NB = w.size(0);
+  at::Tensor y = at::empty({M, n}, x.options());
+  if (M == 0) return y;
+  const float* xp = x.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  switch (w.scalar_type()) {
+    case at::kHalf: linear_impl(xp, x.stride(0), w.data_ptr<c10::Half>(), K, NB, b, yp, M, n); break;
+    case at::kBFloat16: linear_impl(xp, x.stride(0), w.data_ptr<c10::BFloat16>(), K, NB, b, yp, M, n); break;
+    case at::kFloat: linear_impl(xp, x.stride(0), w.data_ptr<float>(), K, NB, b, yp, M, n); break;
+    default: TORCH_CHECK(false, "kiln_cpu::linear: weights must be float32, float16 or bfloat16");
+  }
+  return y;
+}
+
+// ---------------------------------------------------------------------------------------------------
+// Attention.
+
+// e^x for eight lanes (Cephes' expf: range reduction by ln 2, degree-5 polynomial); e^-inf = 0.
+inline __m256 exp8(__m256 x) {
+  const __m256 hi = _mm256_set1_ps(88.3762626647949f), lo = _mm256_set1_ps(-88.3762626647949f);
+  __m256 under = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
+  x = _mm256_max_ps(_mm256_min_ps(x, hi), lo);
+  __m256 fx = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                              _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
+  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, x, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, x, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, x, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, x, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, x, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(p, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
+  __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(fx), _mm256_set1_epi32(127)), 23);
+  return _mm256_andnot_ps(under, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
+}
+
+inline float exp1(float x) {
+  alignas(32) float out[8];
+  _mm256_store_ps(out, exp8(_mm256_set1_ps(x)));
+  return out[0];
+}
+
+inline float hsum(__m256 v) {
+  alignas(32) float a[8];
+  _mm256_store_ps(a, v);
+  return ((a[0] + a[1]) + (a[2] + a[3])) + ((a[4] + a[5]) + (a[6] + a[7]));
+}
+
+template <typename KV>
+inline float dot(const float* q, const KV* k, int64_t D) {
+  __m256 acc = _mm256_setzero_ps();
+  int64_t d = 0;
+  for (; d + 8 <= D; d += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), load8(k + d), acc);
+  float s = hsum(acc);
+  for (; d < D; ++d) s = std::fma(q[d], load1(k + d), s);
+  return s;
+}
+
+// acc[0:D] = acc * alpha + e * v
+template <typename KV>
+inline void scale_add(float* acc, float alpha, float e, const KV* v, int64_t D) {
+  __m256 a = _mm256_set1_ps(alpha), ev = _mm256_set1_ps(e);
+  int64_t d = 0;
+  for (; d + 8 <= D; d += 8)
+    _mm256_storeu_ps(acc + d, _mm256_fmadd_ps(ev, load8(v + d), _mm256_mul_ps(_mm256_loadu_ps(acc + d), a)));
+  for (; d < D; ++d) acc[d] = std::fma(e, load1(v + d), acc[d] * alpha);
+}
+
+struct Layout {
+  const int32_t* qsl;
+  const int32_t* seq_lens;
+  const int32_t* table;
+  int64_t table_width, bs, kvh_count, D, group;
+  float scale;
+  int64_t window;
+};
+
+// Query heads [g0, g1) of kv head `kvh` for token `t` of request `b`; each head's arithmetic is the same
+// whichever heads share the call.
+template <typename KV>
+void attend(const Layout& L, const float* q, const KV* kv, float* out, int64_t b, int64_t t, int64_t kvh,
+            int64_t g0, int64_t g1, int64_t H, float* scratch) {
+  const int64_t D = L.D, bs = L.bs, row = L.kvh_count * D;
+  const int64_t q_len = L.qsl[b + 1] - L.qsl[b];
+  const int64_t pos = L.seq_lens[b] - q_len + (t - L.qsl[b]);
+  const int64_t lo = L.window > 0 ? std::max<int64_t>(0, pos - L.window + 1) : 0;
+  const int32_t* table = L.table + b * L.table_width;
+  alignas(32) float s[64];
+  for (int64_t g = g0; g < g1; ++g) {
+    const int64_t h = kvh * L.group + g;
+    const float* qh = q + (t * H + h) * D;
+    float* acc = scratch;
+    std::fill(acc, acc + D, 0.0f);
+    float m = -std::numeric_limits<float>::infinity(), l = 0.0f;
+    for (int64_t blk = lo / bs; blk <= pos / bs; ++blk) {
+      const KV* kb = kv + (int64_t(table[blk]) * 2 * bs) * row + kvh * D;
+      const KV* vb = kb + bs * row;
+      const int64_t j0 = std::max(lo, blk * bs) - blk * bs, j1 = std::min(pos + 1, blk * bs + bs) - blk * bs;
+      for (int64_t c0 = j0; c0 < j1; c0 += 64) {
+        const int64_t c1 = std::min(j1, c0 + 64);
+        float mb = -std::numeric_limits<float>::infinity();
+        for (int64_t j = c0; j < c1; ++j) {
+          s[j - c0] = dot(qh, kb + j * row, D) * L.scale;
+          mb = std::max(mb, s[j - c0]);
+        }
+        const float m_new = std::max(m, mb);
+        const int64_t n = c1 - c0, padded = (n + 7) / 8 * 8;
+        for (int64_t j = n; j < padded; ++j) s[j] = -std::numeric_limits<float>::infinity();
+        const __m256 mv = _mm256_set1_ps(m_new);
+        for (int64_t j = 0; j < padded; j += 8)
+          _mm256_store_ps(s + j, exp8(_mm256_sub_ps(_mm256_load_ps(s + j), mv)));
+        float alpha = exp1(m - m_new);
+        for (int64_t j = 0; j < n; ++j) {
+          l = l * alpha + s[j];
+          scale_add(acc, alpha, s[j], vb + (c0 + j) * row, D);
+          alpha = 1.0f;
+        }
+        m = m_new;
+      }
+    }
+    float* o = out + (t * H + h) * D;
+    const float inv = 1.0f / l;
+    for (int64_t d = 0; d < D; ++d) o[d] = acc[d] * inv;
+  }
+}
+
+// q [T, H, D] float32; kv_cache [blocks, 2, bs, KVH, D]; query_start_loc [B+1], seq_lens [B] and
+// block_table [B, W] int32. Each request's rows are its last q_len positions; rows past the last
+// request (padding) are zero.
+at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& kv_cache, const at::Tensor& query_start_loc,
+                           const at::Tensor& seq_lens, const at::Tensor& block_table, double scale,
+                           int64_t sliding_window) {
+  TORCH_CHECK(q_in.scalar_type() == at::kFloat && q_in.dim() == 3, "kiln_cpu::paged_attention: q must be [T, H, D] float32");
+  TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(1) == 2 && kv_cache.is_contiguous(),
+              "kiln_cpu::paged_attention: kv_cache must be [blocks, 2, block_size, KVH, D]");
+  for (const at::Tensor* t : {&query_start_loc, &seq_lens, &block_table})
+    TORCH_CHECK(t->scalar_type() == at::kInt && t->is_contiguous(), "kiln_cpu::paged_attention: int32 layout tensors");
+  at::Tensor q = q_in.contiguous();
+  const int64_t T = q.size(0), H = q.size(1), D = q.size(2), KVH = kv_cache.size(3);
+  TORCH_CHECK(kv_cache.size(4) == D && H % KVH == 0, "kiln_cpu::paged_attention: head shapes do not match");
+  const int64_t B = seq_lens.size(0);
+  Layout L{query_start_loc.data_ptr<int32_t>(), seq_lens.data_ptr<int32_t>(), block_table.data_ptr<int32_t>(),
+           block_table.size(1), kv_cache.size(2), KVH, D, H / KVH, float(scale), sliding_window};
+  at::Tensor out = at::zeros_like(q);
+  std::vector<int32_t> req(T, -1);
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t t = L.qsl[b]; t < L.qsl[b + 1] && t < T; ++t) req[t] = int32_t(b);
+  // Work items: (token, kv head) with its query heads together, or single heads when that is too few
+  // items to keep every thread busy (a decode of one sequence).
+  const int64_t split = T * KVH < 4 * at::get_num_threads() ? L.group : 1;
+  const int64_t per = L.group / split;
+  const float* qp = q.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  auto run = [&](auto* kv) {
+    at::parallel_for(0, T * KVH * split, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> scratch(D);
+      for (int64_t i = begin; i < end; ++i) {
+        const int64_t t = i / (KVH * split), kvh = (i / split) % KVH, part = i % split;
+        if (req[t] < 0) continue;
+        attend(L, qp, kv, op, req[t], t, kvh, part * per, (part + 1) * per, H, scratch.data());
+      }
+    });
+  };
+  switch (kv_cache.scalar_type()) {
+    case at::kHalf: run(kv_cache.data_ptr<c10::Half>()); break;
+    case at::kBFloat16: run(kv_cache.data_ptr<c10::BFloat16>()); break;
+    case at::kFloat: run(kv_cache.data_ptr<float>()); break;
+    default: TORCH_CHECK(false, "kiln_cpu::paged_attention: kv_cache must be float32, float16 or bfloat16");
+  }
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(kiln_cpu, m) {
+  m.def("linear(Tensor x, Tensor w, int n, Tensor? bias) -> Tensor");
+  m.def("paged_attention(Tensor q, Tensor kv_cache, Tensor query_start_loc, Tensor seq_lens, "
+        "Tensor block_table, float scale, int sliding_window) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(kiln_cpu, CPU, m) {
+  m.impl("linear", &linear);
+  m.impl("paged_attention", &paged_attention);
+}

@@ -1,0 +1,101 @@
+"""Builds kernels.cpp into a torch op library once per machine, and loads it.
+
+The library lands in `<KILN_CACHE_DIR>/cpu-kernels/<key>/`, keyed by the source, torch's version and
+C++ ABI, the compiler and the CPU's vector ISA; it is written under a temporary name and renamed into
+place, so a half-built library is never loaded and two processes building at once both end with a whole
+one. It links torch's own OpenMP runtime, so its threads are torch's (`torch.set_num_threads`)."""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from kiln.paths import cache_root
+from kiln.platform import describe
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("kernels.cpp")
+
+
+def _compiler() -> str | None:
+    return shutil.which(os.environ.get("CXX", "g++")) or shutil.which("clang++")
+
+
+def _command(cxx: str, out: Path) -> list[str]:
+    from torch.utils import cpp_extension
+
+    lib = cpp_extension.library_paths()[0]
+    includes = [f"-I{p}" for p in cpp_extension.include_paths()]
+    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
+    # No fast-math and no contraction: the kernels' FMAs are written out, and nothing else may be fused
+    # differently in one instantiation than in another.
+    flags = ["-O3", "-march=native", "-ffp-contract=off", "-std=c++20", "-fPIC", "-shared", "-fopenmp", "-w"]
+    return [
+        cxx, *flags, f"-D_GLIBCXX_USE_CXX11_ABI={abi}", *includes, str(SOURCE), "-o", str(out),
+        f"-L{lib}", "-lc10", "-ltorch_cpu", f"-Wl,-rpath,{lib}",
+    ]  # fmt: skip
+
+
+def _key(cxx: str) -> str:
+    version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout.splitlines()[:1]
+    parts = [SOURCE.read_bytes(), torch.__version__.encode(), str(version).encode()]
+    parts.append(f"{torch._C._GLIBCXX_USE_CXX11_ABI}:{describe(torch.device('cpu'))}".encode())
+    return hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
+
+
+class BuildError(RuntimeError):
+    pass
+
+
+@functools.cache
+def load() -> None:
+    """Builds (first use on this machine) and loads the library; raises BuildError if it cannot."""
+    cxx = _compiler()
+    if cxx is None:
+        raise BuildError("no C++ compiler found (set CXX or install g++)")
+    folder = cache_root() / "cpu-kernels" / _key(cxx)
+    library = folder / "kernels.so"
+    if not library.is_file():
+        folder.mkdir(parents=True, exist_ok=True)
+        log.info("building kiln's CPU kernels once for this machine into %s", folder)
+        clock = time.perf_counter()
+        fd, tmp = tempfile.mkstemp(dir=folder, suffix=".so.tmp")
+        os.close(fd)
+        result = subprocess.run(_command(cxx, Path(tmp)), capture_output=True, text=True)
+        if result.returncode != 0:
+            Path(tmp).unlink(missing_ok=True)
+            raise BuildError(f"building {SOURCE.name} failed:\n{result.stderr[-4000:]}")
+        os.replace(tmp, library)
+        log.info("built kiln's CPU kernels in %.1f s", time.perf_counter() - clock)
+    torch.ops.load_library(str(library))
+    _register_fakes()
+
+
+def _register_fakes() -> None:
+    @torch.library.register_fake("kiln_cpu::linear")
+    def _(x: torch.Tensor, w: torch.Tensor, n: int, bias: torch.Tensor | None) -> torch.Tensor:
+        return x.new_empty(x.shape[0], n)
+
+    @torch.library.register_fake("kiln_cpu::paged_attention")
+    def _(q, kv_cache, query_start_loc, seq_lens, block_table, scale, sliding_window):  # noqa: ANN001, ANN202
+        return torch.empty_like(q)
+
+
+@functools.cache
+def available() -> str | None:
+    """None when the kernels are loaded, else why not (logged once by the backend choice)."""
+    try:
+        load()
+    except BuildError as e:
+        return str(e)
+    return None
