@@ -70,6 +70,7 @@ SERVE_FLAGS: dict[str, tuple[str, str, dict]] = {
     "--gpu-memory-utilization": ("cache", "gpu_memory_utilization", {"type": float}),
     "--tensor-parallel-size": ("parallel", "tensor_parallel_size", {"type": int}),
     "--compile-mode": ("compile", "mode", {"choices": ["auto", "eager", "compiled", "cudagraph"]}),
+    "--deterministic": ("backend", "deterministic", {"action": "store_true", "help": "batch-invariant CUDA"}),
     "--compile-cache": ("compile", "cache_file", {"metavar": "FILE", "help": "a kiln warmup --export file"}),
     "--max-n-sequences": ("server", "max_n_sequences", {"type": int, "help": "largest n a request may ask"}),
     "--max-stop-strings": ("server", "max_stop_strings", {"type": int}),

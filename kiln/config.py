@@ -53,10 +53,15 @@ class CompileConfig(_Section):
 
 
 class BackendConfig(_Section):
-    # auto: Triton kernels and FlashInfer on CUDA when they import, the torch references otherwise.
-    kernels: Literal["auto", "torch", "triton"] = "auto"
-    attention: Literal["auto", "torch", "flashinfer"] = "auto"
+    # auto: Triton kernels and FlashInfer on CUDA when they import; on a CPU, kiln's C++ kernels (linear
+    # layers and paged attention, batch-invariant); the torch references otherwise.
+    kernels: Literal["auto", "torch", "triton", "cpu"] = "auto"
+    attention: Literal["auto", "torch", "flashinfer", "cpu"] = "auto"
     sampler: Literal["auto", "torch", "flashinfer"] = "auto"
+    # CUDA: batch-invariant kernels (a Triton GEMM of one tile shape, FlashInfer attention without split-KV),
+    # so a request's output does not depend on its batch, the prefix cache or chunked prefill; slower. The
+    # CPU backend is deterministic regardless.
+    deterministic: bool = False
 
 
 class EngineConfig(_Section):

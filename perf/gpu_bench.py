@@ -9,10 +9,13 @@ one invocation share the random model folders):
 - startup: `kiln serve` on the Llama-3-8B shape, time to ready cold (an empty KILN_CACHE_DIR) and warm
   (the cache the cold start left), each with its first request's TTFT;
 - each phase but copy also runs transformers (static cache + torch.compile) in the same run, unless
-  --skip-hf.
+  --skip-hf;
+- --deterministic runs kiln's side in its batch-invariant mode (backend.deterministic), so its cost shows
+  against a default run.
 
     python perf/gpu_bench.py --out results.json --phases copy batch1 throughput startup [--skip-hf]
         [--models DIR]  # keep the random models, so a run of another kiln tree measures the same ones
+        [--deterministic]
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ from kiln import LLM, SamplingParams
 log = logging.getLogger("gpu_bench")
 
 PHASES = ("copy", "batch1", "throughput", "startup")
+KILN_OPTIONS: dict[str, bool] = {}  # engine options every kiln run takes (main sets them from the flags)
 
 LLAMA3_8B = dict(
     hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
@@ -128,7 +132,8 @@ def gpu_ms(fn: Callable[[], object], iters: int = 50) -> float:
 def kiln_batch1(path: Path, prompt_len: int, new_tokens: int, result: dict) -> float:
     """Decode tokens/s after the first token, through the engine's step loop; then the GPU time of the
     decode graph's replay and of the logits alone, so the step's host share shows."""
-    llm = LLM(str(path), dtype="bfloat16", device="cuda", kv_cache_gib=4, max_model_len=4096, max_num_seqs=8)
+    llm = LLM(str(path), dtype="bfloat16", device="cuda", kv_cache_gib=4, max_model_len=4096, max_num_seqs=8,
+              **KILN_OPTIONS)  # fmt: skip
     engine = llm.engine
     log.info("kiln start-up (s): %s", {k: round(v, 2) for k, v in engine.timings.items()})
     params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
@@ -180,7 +185,7 @@ def workload(n: int = 256, seed: int = 0) -> list[tuple[list[int], int]]:
 
 def kiln_throughput(path: Path, work: list[tuple[list[int], int]]) -> float:
     llm = LLM(str(path), dtype="bfloat16", device="cuda", kv_cache_gib=40, max_model_len=2048,
-              max_num_seqs=256, max_num_batched_tokens=16384)  # fmt: skip
+              max_num_seqs=256, max_num_batched_tokens=16384, **KILN_OPTIONS)  # fmt: skip
     log.info("kiln start-up (s): %s", {k: round(v, 2) for k, v in llm.engine.timings.items()})
     params = [SamplingParams(temperature=0, max_tokens=o, ignore_eos=True) for _, o in work]
     llm.generate([p for p, _ in work[:8]], params[:8], use_tqdm=False)  # warm
@@ -230,6 +235,7 @@ def serve_start(path: Path, cache_dir: Path, log_path: Path) -> dict[str, float]
         str(port),
         "--max-model-len",
         "4096",
+        *(["--deterministic"] if KILN_OPTIONS.get("deterministic") else []),
     ]
     clock = time.perf_counter()
     with log_path.open("ab") as out:
@@ -354,7 +360,9 @@ def main() -> None:
     parser.add_argument(
         "--models", type=Path, help="keep the random model folders here, to reuse in a later run (A/B runs)"
     )
+    parser.add_argument("--deterministic", action="store_true", help="kiln's batch-invariant mode")
     args = parser.parse_args()
+    KILN_OPTIONS["deterministic"] = args.deterministic
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     result: dict = {
         "gpu": torch.cuda.get_device_name(),
@@ -363,6 +371,7 @@ def main() -> None:
         "transformers": transformers.__version__,
         "host": platform.node(),
         "phases": args.phases,
+        "deterministic": args.deterministic,
         "out": str(args.out),
     }
 

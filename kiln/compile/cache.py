@@ -33,8 +33,9 @@ log = logging.getLogger(__name__)
 ARTIFACTS = "artifacts.bin"
 MANIFEST = "manifest.json"
 # Build caches an export carries besides torch's artifacts: FlashInfer's JIT modules (with ninja's logs,
-# so a machine with the same paths finds them up to date) and Triton's kernels launched outside Inductor.
-_BUILDS = ("flashinfer", "triton")
+# so a machine with the same paths finds them up to date), Triton's kernels launched outside Inductor, and
+# kiln's CPU kernels.
+_BUILDS = ("flashinfer", "triton", "cpu-kernels")
 
 
 class CacheError(RuntimeError):
@@ -69,10 +70,10 @@ def _version(package: str) -> str | None:
 
 
 def source_hash(root: Path = Path(__file__).parents[1]) -> str:
-    """Every kiln source file, recursively: model code, ops, Triton kernels and the lowering all end up in
-    compiled graphs, and hashing the whole package leaves no folder to forget."""
+    """Every kiln source file, recursively: model code, ops, Triton and C++ kernels and the lowering all end
+    up in compiled graphs, and hashing the whole package leaves no folder to forget."""
     h = hashlib.sha256()
-    for path in sorted(root.rglob("*.py")):
+    for path in sorted([*root.rglob("*.py"), *root.rglob("*.cpp")]):
         h.update(path.relative_to(root).as_posix().encode())
         h.update(path.read_bytes())
     return h.hexdigest()[:16]
@@ -201,7 +202,8 @@ class CompileCache:
 
     def _unpack_builds(self, z: zipfile.ZipFile, infos: list[zipfile.ZipInfo]) -> None:
         """Writes the export's build caches under the root with their recorded times: ninja rebuilds
-        whatever looks older than its sources."""
+        whatever looks older than its sources. Each file is renamed into place: a library this process
+        has loaded already (kiln's CPU kernels) keeps its own copy, where writing over it would crash."""
         root = self.root.resolve()
         for info in infos:
             if info.is_dir():
@@ -210,6 +212,9 @@ class CompileCache:
             if not dest.is_relative_to(root):
                 raise CacheError(f"an export's file {info.filename!r} would land outside {root}")
             dest.parent.mkdir(parents=True, exist_ok=True)
-            dest.write_bytes(z.read(info))
+            fd, tmp = tempfile.mkstemp(dir=dest.parent, prefix=".unpack-")
+            with os.fdopen(fd, "wb") as out:
+                out.write(z.read(info))
             stamp = datetime.datetime(*info.date_time).timestamp()
-            os.utime(dest, (stamp, stamp))
+            os.utime(tmp, (stamp, stamp))
+            os.replace(tmp, dest)

@@ -200,7 +200,8 @@ class Lowering:
             **environment(),
             "options": {
                 "mode": self.mode,
-                "backend": [self.backend.kernels, self.backend.attention],
+                "backend": [self.backend.kernels, self.backend.attention]
+                + (["deterministic"] if self.backend.deterministic else []),
                 "decode_sizes": self.plan.decode_sizes,
                 "token_sizes": self.plan.token_sizes,
                 "block_size": block_size,

@@ -52,11 +52,14 @@ class LLMEngine:
                 f"max_model_len {self.max_model_len} exceeds the model's max_position_embeddings "
                 f"{dims.max_positions}"
             )
-        self.backend = choose_backend(b.kernels, b.attention, b.sampler, device, dims.head_dim, dtype)
+        self.backend = choose_backend(
+            b.kernels, b.attention, b.sampler, device, dims.head_dim, dtype, b.deterministic
+        )
         attention = self.backend.make_attention(
             dims, config.cache.block_size, self.max_model_len, dtype, device
         )
-        self.model = load_model(path, config.model.dtype, device, self.backend.layer_kernels(), attention)
+        kernels = self.backend.layer_kernels(device, dtype)
+        self.model = load_model(path, config.model.dtype, device, kernels, attention)
         self.timings = {"weights": time.perf_counter() - clock}
         clock = time.perf_counter()
         self.tokenizer = load_tokenizer(config, path)

@@ -5,7 +5,6 @@ from collections.abc import Callable
 from typing import Any, ClassVar
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from kiln.models.spec import ArchSpec, ModelDims
@@ -16,7 +15,6 @@ from kiln.ops.linear import Linear
 from kiln.ops.moe import route
 from kiln.ops.norm import layer_norm
 from kiln.ops.rotary import rope_cos_sin, rope_inv_freq
-from kiln.platform import native_matmul_dtypes
 
 log = logging.getLogger(__name__)
 
@@ -46,8 +44,9 @@ class Attention(nn.Module):
         self.kernels, self.impl = kernels, impl
         self.num_heads, self.num_kv_heads, self.head_dim = d.num_heads, d.num_kv_heads, d.head_dim
         self.q_size, self.kv_size = d.num_heads * d.head_dim, d.num_kv_heads * d.head_dim
-        self.qkv = Linear(d.hidden_size, self.q_size + 2 * self.kv_size, bias=d.qkv_bias)
-        self.o = Linear(self.q_size, d.hidden_size, bias=d.o_bias)
+        mm = kernels.matmul
+        self.qkv = Linear(d.hidden_size, self.q_size + 2 * self.kv_size, d.qkv_bias, mm)
+        self.o = Linear(self.q_size, d.hidden_size, d.o_bias, mm)
         self.q_norm = Norm("rms", d.head_dim, d.norm_eps, kernels) if d.qk_norm else None
         self.k_norm = Norm("rms", d.head_dim, d.norm_eps, kernels) if d.qk_norm else None
         self.scale = d.head_dim**-0.5
@@ -77,8 +76,8 @@ class GatedMLP(nn.Module):
     def __init__(self, d: ModelDims, kernels: Kernels) -> None:
         super().__init__()
         self.kernels = kernels
-        self.gate_up = Linear(d.hidden_size, 2 * d.intermediate_size, bias=d.mlp_bias)
-        self.down = Linear(d.intermediate_size, d.hidden_size, bias=d.mlp_bias)
+        self.gate_up = Linear(d.hidden_size, 2 * d.intermediate_size, d.mlp_bias, kernels.matmul)
+        self.down = Linear(d.intermediate_size, d.hidden_size, d.mlp_bias, kernels.matmul)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down(self.kernels.silu_and_mul(self.gate_up(x)))
@@ -87,8 +86,8 @@ class GatedMLP(nn.Module):
 class PlainMLP(nn.Module):
     def __init__(self, d: ModelDims, kernels: Kernels) -> None:
         super().__init__()
-        self.fc = Linear(d.hidden_size, d.intermediate_size, bias=d.mlp_bias)
-        self.proj = Linear(d.intermediate_size, d.hidden_size, bias=d.mlp_bias)
+        self.fc = Linear(d.hidden_size, d.intermediate_size, d.mlp_bias, kernels.matmul)
+        self.proj = Linear(d.intermediate_size, d.hidden_size, d.mlp_bias, kernels.matmul)
         self.act = ACTIVATIONS[d.hidden_act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -100,15 +99,13 @@ class MoE(nn.Module):
         super().__init__()
         self.kernels = kernels
         self.top_k, self.renormalize = d.experts_per_token, d.moe_renormalize
-        self.router = Linear(d.hidden_size, d.num_experts, bias=False)
+        self.router = Linear(d.hidden_size, d.num_experts, False, kernels.matmul)
         self.w13 = _param(d.num_experts, 2 * d.moe_intermediate_size, d.hidden_size)
         self.w2 = _param(d.num_experts, d.hidden_size, d.moe_intermediate_size)
-        self.compute_dtype: torch.dtype | None = None  # as Linear's
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = route(self.router(x), self.top_k, self.renormalize)
-        xc = x if self.compute_dtype is None else x.to(self.compute_dtype)
-        return self.kernels.moe_experts(xc, self.w13, self.w2, weights, ids).to(x.dtype)
+        return self.kernels.moe_experts(x, self.w13, self.w2, weights, ids)
 
 
 class DecoderLayer(nn.Module):
@@ -163,26 +160,24 @@ class DecoderModel(nn.Module):
         self.pos_embed = nn.Embedding(d.max_positions, d.hidden_size) if spec.positions == "learned" else None
         self.layers = nn.ModuleList(DecoderLayer(spec, d, i, kernels, attention) for i in range(d.num_layers))
         self.norm = Norm(spec.norm, d.hidden_size, d.norm_eps, kernels)
-        self.lm_head = None if d.tie_word_embeddings else Linear(d.hidden_size, d.vocab_size, bias=False)
+        head = None if d.tie_word_embeddings else Linear(d.hidden_size, d.vocab_size, False, kernels.matmul)
+        self.lm_head = head
         self.cos_sin: torch.Tensor | None = None
         self.logits_weight: torch.Tensor | None = None
 
     def prepare(self, max_positions: int) -> None:
-        """After weights are loaded: the rotary table, and the LM head logits are computed with (they are
-        always float32). On CUDA a 16-bit head multiplies straight into float32 (cuBLAS accumulates in
-        float32), so a decode step reads the head once in 16 bits; elsewhere a float32 copy is made."""
+        """After weights are loaded: the rotary table, and every weight in its Matmul's layout; the LM head
+        too, as `logits_weight` (a tied head is a copy where the layout differs from the embedding's)."""
         d = self.dims
         device = self.embed.weight.device
         if self.spec.positions == "rope":
             inv_freq, scaling = rope_inv_freq(d.rotary_dim or d.head_dim, d.rope_theta, d.rope_scaling)
             self.cos_sin = rope_cos_sin(inv_freq, max_positions, scaling).to(device)
+        for module in self.modules():
+            if isinstance(module, Linear) and module is not self.lm_head:
+                module.pack()
         head = self.embed.weight if self.lm_head is None else self.lm_head.weight
-        self.logits_weight = head if head.dtype == torch.float32 or device.type == "cuda" else head.float()
-        if head.dtype not in native_matmul_dtypes(device):
-            log.info("%s matmuls are slow on this %s: linear layers compute in float32", head.dtype, device)
-            for module in self.modules():
-                if isinstance(module, Linear | MoE):
-                    module.compute_dtype = torch.float32
+        self.logits_weight = self.kernels.matmul.pack_head(head)
 
     def forward(
         self,
@@ -195,6 +190,8 @@ class DecoderModel(nn.Module):
         x = self.embed(input_ids)
         if self.pos_embed is not None:
             x = x + self.pos_embed(positions)
+        if self.kernels.activations is not None:
+            x = x.to(self.kernels.activations)
         # A zero residual rather than None, so every layer runs the same code and shares one compiled graph.
         residual = torch.zeros_like(x)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
@@ -202,11 +199,7 @@ class DecoderModel(nn.Module):
         return self.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """float32 logits for the rows of `hidden`."""
         w = self.logits_weight
         assert w is not None, "call prepare() after loading weights"
-        if w.dtype != torch.float32:
-            return torch.mm(hidden.to(w.dtype), w.t(), out_dtype=torch.float32)
-        head = self.embed.weight if self.lm_head is None else self.lm_head.weight
-        if hidden.shape[0] == 1 and head.device.type == "cpu":
-            return F.linear(hidden.to(head.dtype), head).float()  # the GEMV fast path, as in Linear
-        return F.linear(hidden.float(), w)
+        return self.kernels.matmul.logits(hidden, w, self.dims.vocab_size)

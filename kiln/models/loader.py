@@ -15,7 +15,7 @@ from kiln.models.decoder import DecoderModel
 from kiln.models.registry import spec_for
 from kiln.models.spec import ArchSpec, ModelDims, Shard, expand, ignored, rule_applies
 from kiln.ops.attention import TORCH_ATTENTION, AttentionImpl
-from kiln.ops.backend import TORCH_KERNELS, Kernels
+from kiln.ops.backend import Kernels, torch_kernels
 
 log = logging.getLogger(__name__)
 
@@ -92,10 +92,12 @@ def load_model(
     path: Path,
     dtype: str = "auto",
     device: str | torch.device = "cpu",
-    kernels: Kernels = TORCH_KERNELS,
+    kernels: Kernels | None = None,
     attention: AttentionImpl = TORCH_ATTENTION,
 ) -> DecoderModel:
+    """kernels: None is the torch references for this device and dtype."""
     spec, dims, torch_dtype = inspect_model(path, dtype)
+    kernels = kernels or torch_kernels(torch.device(device), torch_dtype)
     with torch.device("meta"):
         model = DecoderModel(spec, dims, kernels, attention).to(torch_dtype)
     model.to_empty(device=device)

@@ -1,10 +1,12 @@
 """The backend: which implementation runs each op, chosen once from the config and the device
 (`choose_backend`), then handed to the model, the runner and the sampler as they are built. The torch
-references run anywhere; Triton kernels and FlashInfer run on CUDA. `auto` takes the CUDA ones where the
-device is CUDA and they import; nothing imports FlashInfer or Triton on a machine that picks torch."""
+references run anywhere; Triton kernels and FlashInfer run on CUDA; kiln's C++ kernels (linear layers and
+paged attention, batch-invariant) run on x86 CPUs with AVX2 and a C++ compiler. `auto` takes the fastest
+that runs here; nothing imports FlashInfer or Triton on a machine that picks torch."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import logging
 import os
@@ -15,9 +17,14 @@ import torch
 
 from kiln.ops import activation, moe, norm, rotary, sampler
 from kiln.ops.attention import TORCH_ATTENTION, AttentionHeads, AttentionImpl, table_width
+from kiln.ops.cpu import native as cpu_native
+from kiln.ops.matmul import CpuMatmul, Matmul, TorchMatmul
 from kiln.ops.sampler import Draw, Prepare
+from kiln.platform import native_matmul_dtypes
 
 log = logging.getLogger(__name__)
+
+TORCH_MATMUL = TorchMatmul()
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,35 +36,63 @@ class Kernels:
     apply_rotary: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     silu_and_mul: Callable[[torch.Tensor], torch.Tensor]
     moe_experts: Callable[..., torch.Tensor]
+    matmul: Matmul = TORCH_MATMUL
+    activations: torch.dtype | None = None  # the residual stream's dtype; None: the weights'
 
 
 TORCH_KERNELS = Kernels("torch", norm.rms_norm, rotary.apply_rotary, activation.silu_and_mul, moe.moe_experts)
 
 
-def triton_kernels() -> Kernels:
+def torch_kernels(device: torch.device, dtype: torch.dtype) -> Kernels:
+    """The torch references for weights of `dtype` on `device`: where the device has no native GEMM for
+    that dtype, weights are widened to float32 once at load, and so is the residual stream."""
+    if dtype in native_matmul_dtypes(device):
+        return TORCH_KERNELS
+    return dataclasses.replace(TORCH_KERNELS, matmul=TorchMatmul(torch.float32), activations=torch.float32)
+
+
+def triton_kernels(deterministic: bool = False) -> Kernels:
+    """deterministic: linear layers and the LM head run Triton's batch-invariant GEMM instead of cuBLAS,
+    whose kernel (split-K included) depends on the batch's row count."""
     from kiln.ops.triton import activation as t_activation
     from kiln.ops.triton import moe as t_moe
     from kiln.ops.triton import norm as t_norm
     from kiln.ops.triton import rotary as t_rotary
 
-    return Kernels(
+    kernels = Kernels(
         "triton", t_norm.rms_norm, t_rotary.apply_rotary, t_activation.silu_and_mul, t_moe.moe_experts
     )
+    if not deterministic:
+        return kernels
+    from kiln.ops.triton.matmul import TritonMatmul
+
+    return dataclasses.replace(kernels, matmul=TritonMatmul())
 
 
 @dataclass(frozen=True, slots=True)
 class Backend:
-    kernels: str  # "torch" | "triton": the ops a layer calls around attention, and the sampler's prepare
-    attention: str  # "torch" | "flashinfer"
+    kernels: str  # "torch" | "triton" | "cpu": a layer's ops around attention, and the sampler's prepare
+    attention: str  # "torch" | "flashinfer" | "cpu"
     sampler: str  # "torch" | "flashinfer": the sampler's draw
+    deterministic: bool = False  # batch-invariant kernels (the CPU's are regardless)
 
-    def layer_kernels(self) -> Kernels:
-        return triton_kernels() if self.kernels == "triton" else TORCH_KERNELS
+    def layer_kernels(self, device: torch.device, dtype: torch.dtype) -> Kernels:
+        if self.kernels == "triton":
+            return triton_kernels(self.deterministic)
+        if self.kernels == "cpu":
+            # float32 activations: the kernels widen 16-bit weights in registers and accumulate in float32.
+            cpu = CpuMatmul()
+            return dataclasses.replace(TORCH_KERNELS, name="cpu", matmul=cpu, activations=torch.float32)
+        return torch_kernels(device, dtype)
 
     def make_attention(
         self, heads: AttentionHeads, block_size: int, max_model_len: int, dtype: torch.dtype,
         device: torch.device,
     ) -> AttentionImpl:  # fmt: skip
+        if self.attention == "cpu":
+            from kiln.ops.cpu.attention import CPU_ATTENTION
+
+            return CPU_ATTENTION
         if self.attention != "flashinfer":
             return TORCH_ATTENTION
         from kiln.ops.flashinfer_attention import FlashInferAttention
@@ -65,7 +100,7 @@ class Backend:
         h = heads
         return FlashInferAttention(
             h.num_heads, h.num_kv_heads, h.head_dim, block_size, dtype, device,
-            table_width(max_model_len, block_size), h.head_dim**-0.5, h.sliding_window,
+            table_width(max_model_len, block_size), h.head_dim**-0.5, h.sliding_window, self.deterministic,
         )  # fmt: skip
 
     def sampler_ops(self) -> tuple[Prepare, Draw]:
@@ -101,17 +136,28 @@ def flashinfer_unsupported(head_dim: int, dtype: torch.dtype) -> str | None:
 
 
 def choose_backend(
-    kernels: str, attention: str, sampler: str, device: torch.device, head_dim: int, dtype: torch.dtype
-) -> Backend:
+    kernels: str, attention: str, sampler: str, device: torch.device, head_dim: int, dtype: torch.dtype,
+    deterministic: bool = False,
+) -> Backend:  # fmt: skip
     """Resolves `auto` and checks explicit choices against the device and the model. Triton on a CPU is
-    allowed only under TRITON_INTERPRET=1 (how its kernels are tested without a GPU)."""
+    allowed only under TRITON_INTERPRET=1 (how its kernels are tested without a GPU). kiln's CPU kernels
+    are built on first use (seconds, once per machine); where they can't be, the CPU runs the torch
+    references, which are neither as fast nor batch-invariant. `deterministic` refuses the torch
+    references: on CUDA it needs the Triton kernels and FlashInfer, which it runs batch-invariant."""
     cuda = device.type == "cuda"
     interpret = os.environ.get("TRITON_INTERPRET") == "1"
     has_triton, has_flashinfer = _importable("triton"), cuda and _importable("flashinfer")
+    cpu_missing = None if cuda or not {kernels, attention} & {"cpu", "auto"} else cpu_native.available()
 
     def pick(key: str, value: str, fast: str, available: bool, runs_here: bool) -> str:
         if value == "auto":
+            if not cuda and key != "sampler":
+                return "cpu" if cpu_missing is None else "torch"
             return fast if cuda and available else "torch"
+        if value == "cpu" and cuda:
+            raise ValueError(f"backend.{key} 'cpu' runs on a CPU (model.device is {device.type!r})")
+        if value == "cpu" and cpu_missing is not None:
+            raise ValueError(f"backend.{key} 'cpu' cannot run here: {cpu_missing}")
         if value == fast and not runs_here:
             raise ValueError(f"backend.{key} {fast!r} needs a CUDA device (model.device is {device.type!r})")
         if value == fast and not available:
@@ -125,11 +171,28 @@ def choose_backend(
         kernels=pick("kernels", kernels, "triton", has_triton, cuda or interpret),
         attention=pick("attention", attention, "flashinfer", has_flashinfer and not unsupported, cuda),
         sampler=pick("sampler", sampler, "flashinfer", has_flashinfer, cuda),
+        deterministic=deterministic,
     )
+    if deterministic and "torch" in (choice.kernels, choice.attention):
+        need = "the Triton kernels and FlashInfer attention" if cuda else "kiln's CPU kernels"
+        missing = None if has_flashinfer else "FlashInfer is not installed: pip install 'kiln[cuda]'"
+        why = (unsupported or missing) if cuda else cpu_missing
+        raise ValueError(
+            f"backend.deterministic needs {need}, but kernels is {choice.kernels!r} and attention "
+            f"{choice.attention!r}: torch's reference ops may answer a request differently in another batch"
+            + (f" ({why})" if why else "")
+        )
+    if deterministic and cuda:
+        log.info("deterministic: Triton's batch-invariant GEMM; every step in FlashInfer's prefill kernel")
     if cuda and not has_flashinfer and "auto" in (attention, sampler):
         log.warning("FlashInfer is not installed: attention and sampling use the torch references (slower)")
     elif cuda and attention == "auto" and unsupported:
         log.warning(
             "attention uses the torch reference: FlashInfer cannot serve this model's %s", unsupported
+        )
+    elif not cuda and "torch" in (choice.kernels, choice.attention):
+        log.warning(
+            "the CPU runs torch's reference ops%s: slower, and a request's answer may depend on its batch",
+            "" if cpu_missing is None else f" (kiln's CPU kernels cannot run here: {cpu_missing})",
         )
     return choice

@@ -4,7 +4,20 @@ layer is FlashInfer's NHD paged layout, so the torch backend and this one read t
 Decode-only steps use BatchDecodeWithPagedKVCacheWrapper (one per CUDA-graph batch size, with fixed
 buffers, plus one for steps outside the graphs); prefill and mixed steps use
 BatchPrefillWithPagedKVCacheWrapper, causal with the queries at the end of their context. `plan`
-copies the step's page tables into the wrapper on the host side, before the forward and outside graphs."""
+copies the step's page tables into the wrapper on the host side, before the forward and outside graphs.
+
+Deterministic mode (batch-invariant attention) runs every step, decode-only ones included, through the
+prefill wrapper (graph-captured decode steps through one of fixed buffers per batch size) with
+`disable_split_kv=True`, so each query row is reduced in one CTA over the same KV tiles whatever its batch:
+- On Hopper, FlashInfer 0.5.3 prefills with FA3 (PrefillSM90Plan, which ignores disable_split_kv): its
+  tile is fixed by the head dim (CTA_Q 128, 192 at head dim 64) and it never splits the KV. FA2 (tensor-
+  core decode, and prefill off Hopper) picks its query tile from the step's mean query length
+  (FA2DetermineCtaTileQ: 16 for decodes, 64 or 128 for prefills), which changes the warp layout and so
+  the reduction order (flashinfer#2424).
+- A decode row in a mixed step already runs in the prefill kernel, and a prompt's last token is a one-row
+  query after a prefix-cache hit: one kernel for both keeps a row's bits independent of the step kind.
+- CUDA-core decode ignores disable_split_kv (its plan takes no such argument) and refuses
+  fixed_split_size; split-KV with a fixed split size is not CUDA-graph safe (FlashInfer's docstring)."""
 
 from __future__ import annotations
 
@@ -44,8 +57,10 @@ class FlashInferAttention:
         max_blocks_per_seq: int,
         scale: float,
         sliding_window: int,
+        deterministic: bool = False,
     ) -> None:
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.deterministic = deterministic
         self.block_size, self.dtype, self.device = block_size, dtype, device
         self.max_blocks_per_seq = max_blocks_per_seq
         self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
@@ -56,7 +71,13 @@ class FlashInferAttention:
             self.workspace, "NHD", use_tensor_cores=self.tensor_cores
         )
         self.graph_decode: dict[int, flashinfer.BatchDecodeWithPagedKVCacheWrapper] = {}
+        self.graph_prefill: dict[int, flashinfer.BatchPrefillWithPagedKVCacheWrapper] = {}
         build_kernels(head_dim, dtype, device, sliding_window > 0, self.tensor_cores)
+        if deterministic and prefill_backend(dtype, device) != "fa3":
+            log.warning(
+                "deterministic: FlashInfer prefills with FA2 on this GPU, whose query tile follows the "
+                "step's mean query length (flashinfer#2424): attention may still depend on the batch"
+            )
         # FlashInfer bakes these into the plan; every layer of a kiln model shares them.
         self.scale, self.sliding_window = scale, sliding_window
         self._active: (
@@ -80,6 +101,25 @@ class FlashInferAttention:
             )
         return self.graph_decode[batch]
 
+    def _graph_prefill(self, batch: int) -> flashinfer.BatchPrefillWithPagedKVCacheWrapper:
+        """Deterministic mode's decode graphs: the prefill kernel on fixed buffers, one query per request."""
+        if batch not in self.graph_prefill:
+            i32 = {"dtype": torch.int32, "device": self.device}
+            wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
+                self.workspace,
+                "NHD",
+                use_cuda_graph=True,
+                qo_indptr_buf=torch.zeros(batch + 1, **i32),
+                paged_kv_indptr_buf=torch.zeros(batch + 1, **i32),
+                paged_kv_indices_buf=torch.zeros(batch * self.max_blocks_per_seq, **i32),
+                paged_kv_last_page_len_buf=torch.zeros(batch, **i32),
+            )
+            # FA3's 64 MiB page-to-token index is written and read within one run (one step at a time, as
+            # the workspace): every wrapper shares the first one's rather than holding its own.
+            wrapper._vector_sparse_indices_buffer = self.prefill._vector_sparse_indices_buffer
+            self.graph_prefill[batch] = wrapper
+        return self.graph_prefill[batch]
+
     def plan(self, layout: StepLayout) -> None:
         lens = layout.seq_lens.astype(np.int64)
         # An empty request (a padding row) still gets one page, so no request has zero pages.
@@ -98,12 +138,18 @@ class FlashInferAttention:
             "q_data_type": self.dtype,
             "kv_data_type": self.dtype,
         }
+        qo_indptr = torch.from_numpy(layout.query_start_loc.astype(np.int32))
+        if self.deterministic:
+            self._active = self._graph_prefill(len(lens)) if layout.graph else self.prefill
+            self._active.plan(
+                qo_indptr, *host, head_dim_qk=self.head_dim, causal=True, disable_split_kv=True, **common
+            )
+            return
         if layout.decode_only:
             batch = len(lens)
             self._active = self._graph_wrapper(batch) if layout.graph else self.decode
             self._active.plan(*host, head_dim=self.head_dim, **common)
             return
-        qo_indptr = torch.from_numpy(layout.query_start_loc.astype(np.int32))
         self._active = self.prefill
         self.prefill.plan(qo_indptr, *host, head_dim_qk=self.head_dim, causal=True, **common)
 
@@ -147,9 +193,8 @@ def kernel_specs(
     from flashinfer.jit import gen_batch_decode_module, gen_batch_prefill_module
     from flashinfer.jit.page import gen_page_module
     from flashinfer.jit.sampling import gen_sampling_module
-    from flashinfer.utils import determine_attention_backend
 
-    prefill = determine_attention_backend(device, 0, False, False, dtype, dtype)
+    prefill = prefill_backend(dtype, device)
     common = (dtype, dtype, dtype, torch.int32, head_dim, head_dim, 0, sliding_window, False)
     decode = (
         gen_batch_prefill_module("fa2", *common, False) if tensor_cores else gen_batch_decode_module(*common)
@@ -160,6 +205,13 @@ def kernel_specs(
         gen_page_module(),
         gen_sampling_module(),
     ]
+
+
+def prefill_backend(dtype: torch.dtype, device: torch.device) -> str:
+    """What the prefill wrapper's `auto` resolves to here: "fa3" on Hopper, "fa2" elsewhere."""
+    from flashinfer.utils import determine_attention_backend
+
+    return determine_attention_backend(device, 0, False, False, dtype, dtype)
 
 
 def build_kernels(

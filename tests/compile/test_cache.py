@@ -60,21 +60,25 @@ def test_second_start_recompiles_nothing_and_an_export_loads_elsewhere(tiny: Pat
     os.utime(built, (1_700_000_000, 1_700_000_000))
     finish(warmup(tiny, cache, tmp_path / "first.json", "--export", str(exported)))
     first = json.loads((tmp_path / "first.json").read_text())
-    assert first["counters"]["fxgraph_cache_miss"] >= 3
-    assert {b["source"] for b in first["buckets"]} == {"compiled"}
+    # Three graph classes; with the CPU attention op the decode and mixed layers are the same FX graph.
+    assert first["counters"]["fxgraph_cache_miss"] >= 2
+    # The mixed bucket runs the decode layer graph (the attention op is the same for both): "shared".
+    assert {b["source"] for b in first["buckets"]} - {"shared"} == {"compiled"}
 
     output = finish(warmup(tiny, cache, tmp_path / "second.json"))
     second = json.loads((tmp_path / "second.json").read_text())
     assert second["counters"]["fxgraph_cache_miss"] == 0
-    assert second["counters"]["fxgraph_cache_hit"] >= 3
-    assert [b["source"] for b in second["buckets"]] == ["cache"] * len(first["buckets"])
+    assert second["counters"]["fxgraph_cache_hit"] >= 2
+    assert [b["source"] for b in second["buckets"]] == [
+        "shared" if b["source"] == "shared" else "cache" for b in first["buckets"]
+    ]
     assert "decode-1" in output and "total" in output
 
     # Another machine with the same versions: an empty cache root and the exported file.
     finish(warmup(tiny, tmp_path / "elsewhere", tmp_path / "third.json", "--import", str(exported)))
     third = json.loads((tmp_path / "third.json").read_text())
     assert third["counters"]["fxgraph_cache_miss"] == 0
-    assert {b["source"] for b in third["buckets"]} == {"cache"}
+    assert {b["source"] for b in third["buckets"]} - {"shared"} == {"cache"}
     landed = tmp_path / "elsewhere" / built.relative_to(cache)
     assert landed.read_bytes() == built.read_bytes()
     assert abs(landed.stat().st_mtime - 1_700_000_000) <= 2  # zip keeps times to 2 s
@@ -96,7 +100,9 @@ def test_two_concurrent_warmups_of_one_key(tiny: Path, tmp_path: Path) -> None:
         finish(proc)
     sources = []
     for i in range(2):
-        [source] = {b["source"] for b in json.loads((tmp_path / f"{i}.json").read_text())["buckets"]}
+        [source] = {b["source"] for b in json.loads((tmp_path / f"{i}.json").read_text())["buckets"]} - {
+            "shared"
+        }
         sources.append(source)
     # The lock makes them take turns: one compiles, the other loads the finished entry.
     assert sorted(sources) == ["cache", "compiled"]

@@ -10,6 +10,10 @@ from safetensors.torch import load_file, save_file
 from kiln import LLM
 from kiln.models.loader import WeightError, load_model
 from kiln.models.registry import ARCHITECTURES, UnsupportedArchitecture
+from kiln.ops.backend import Backend
+from kiln.ops.linear import Linear
+from kiln.ops.matmul import BLOCK
+from kiln.platform import native_matmul_dtypes
 from tests.models.tiny import build
 
 
@@ -38,9 +42,19 @@ def test_sharded_checkpoint_loads_all_shards(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
 def test_dtype(llama: Path, dtype: str) -> None:
+    """The torch references widen weights the CPU has no GEMM for once at load; kiln's CPU kernels keep
+    every weight, the LM head's included, in its own dtype, packed."""
+    want = getattr(torch, dtype)
     model = load_model(llama, dtype)
-    assert {p.dtype for p in model.parameters()} == {getattr(torch, dtype)}
+    widened = want if want in native_matmul_dtypes(torch.device("cpu")) else torch.float32
+    linear = {m.weight.dtype for m in model.layers.modules() if isinstance(m, Linear)}
+    assert model.embed.weight.dtype == want and linear == {widened}
     assert model.logits_weight is not None and model.logits_weight.dtype == torch.float32
+    cpu = Backend("cpu", "cpu", "torch").layer_kernels(torch.device("cpu"), want)
+    packed = load_model(llama, dtype, kernels=cpu)
+    assert {p.dtype for p in packed.layers.parameters() if p.dim() > 1} == {want}
+    head = packed.logits_weight
+    assert head is not None and head.dtype == want and head.shape[-1] == BLOCK
 
 
 def test_auto_dtype_follows_config(llama: Path) -> None:

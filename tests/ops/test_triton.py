@@ -167,13 +167,14 @@ def test_tiny_models_with_triton_kernels_give_the_torch_tokens(arch: str, tmp_pa
     assert runs["triton"] == runs["torch"]
 
 
-def test_auto_backend_on_a_cpu_is_torch_and_never_imports_flashinfer() -> None:
+def test_auto_backend_on_a_cpu_is_kilns_cpu_kernels_and_never_imports_flashinfer() -> None:
     import sys
 
-    from kiln.ops.backend import choose_backend
+    from kiln.ops.backend import Backend, choose_backend
 
     cpu = torch.device("cpu")
-    assert choose_backend("auto", "auto", "auto", cpu, 64, torch.bfloat16) == TORCH_BACKEND
+    assert choose_backend("auto", "auto", "auto", cpu, 64, torch.bfloat16) == Backend("cpu", "cpu", "torch")
+    assert choose_backend("torch", "torch", "auto", cpu, 64, torch.bfloat16) == TORCH_BACKEND
     assert "flashinfer" not in sys.modules
     with pytest.raises(ValueError, match=r"backend\.attention 'flashinfer' needs a CUDA device"):
         choose_backend("auto", "flashinfer", "auto", cpu, 64, torch.bfloat16)

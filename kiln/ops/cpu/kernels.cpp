@@ -174,29 +174,77 @@ inline float exp1(float x) {
 }
 
 inline float hsum(__m256 v) {
-  alignas(32) float a[8];
-  _mm256_store_ps(a, v);
-  return ((a[0] + a[1]) + (a[2] + a[3])) + ((a[4] + a[5]) + (a[6] + a[7]));
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_shuffle_ps(s, s, 1)));
 }
 
 template <typename KV>
-inline float dot(const float* q, const KV* k, int64_t D) {
-  __m256 acc = _mm256_setzero_ps();
-  int64_t d = 0;
-  for (; d + 8 <= D; d += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), load8(k + d), acc);
-  float s = hsum(acc);
-  for (; d < D; ++d) s = std::fma(q[d], load1(k + d), s);
-  return s;
+inline void scores(const float* q, const KV* k, int64_t stride, int64_t n, int64_t D, float scale, float* s) {
+  int64_t j = 0;
+  for (; j + 4 <= n; j += 4) {
+    const KV* k0 = k + j * stride;
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    int64_t d = 0;
+    for (; d + 8 <= D; d += 8) {
+      __m256 qv = _mm256_loadu_ps(q + d);
+      a0 = _mm256_fmadd_ps(qv, load8(k0 + d), a0);
+      a1 = _mm256_fmadd_ps(qv, load8(k0 + stride + d), a1);
+      a2 = _mm256_fmadd_ps(qv, load8(k0 + 2 * stride + d), a2);
+      a3 = _mm256_fmadd_ps(qv, load8(k0 + 3 * stride + d), a3);
+    }
+    float r[4] = {hsum(a0), hsum(a1), hsum(a2), hsum(a3)};
+    for (int i = 0; i < 4; ++i) {
+      for (int64_t t = d; t < D; ++t) r[i] = std::fma(q[t], load1(k0 + i * stride + t), r[i]);
+      s[j + i] = r[i] * scale;
+    }
+  }
+  for (; j < n; ++j) {
+    const KV* kj = k + j * stride;
+    __m256 a = _mm256_setzero_ps();
+    int64_t d = 0;
+    for (; d + 8 <= D; d += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), load8(kj + d), a);
+    float r = hsum(a);
+    for (int64_t t = d; t < D; ++t) r = std::fma(q[t], load1(kj + t), r);
+    s[j] = r * scale;
+  }
 }
 
-// acc[0:D] = acc * alpha + e * v
+// acc[0:D] = acc * alpha, then acc += e[j] * v[j] for j in order: each lane is one FMA chain, and four
+// chains run side by side (how lanes are grouped never changes a lane's arithmetic).
 template <typename KV>
-inline void scale_add(float* acc, float alpha, float e, const KV* v, int64_t D) {
-  __m256 a = _mm256_set1_ps(alpha), ev = _mm256_set1_ps(e);
+inline void accumulate(float* acc, float alpha, const float* e, const KV* v, int64_t stride, int64_t n,
+                       int64_t D) {
+  const __m256 av = _mm256_set1_ps(alpha);
   int64_t d = 0;
-  for (; d + 8 <= D; d += 8)
-    _mm256_storeu_ps(acc + d, _mm256_fmadd_ps(ev, load8(v + d), _mm256_mul_ps(_mm256_loadu_ps(acc + d), a)));
-  for (; d < D; ++d) acc[d] = std::fma(e, load1(v + d), acc[d] * alpha);
+  for (; d + 32 <= D; d += 32) {
+    __m256 a0 = _mm256_mul_ps(_mm256_loadu_ps(acc + d), av);
+    __m256 a1 = _mm256_mul_ps(_mm256_loadu_ps(acc + d + 8), av);
+    __m256 a2 = _mm256_mul_ps(_mm256_loadu_ps(acc + d + 16), av);
+    __m256 a3 = _mm256_mul_ps(_mm256_loadu_ps(acc + d + 24), av);
+    for (int64_t j = 0; j < n; ++j) {
+      const __m256 ev = _mm256_set1_ps(e[j]);
+      const KV* vj = v + j * stride + d;
+      a0 = _mm256_fmadd_ps(ev, load8(vj), a0);
+      a1 = _mm256_fmadd_ps(ev, load8(vj + 8), a1);
+      a2 = _mm256_fmadd_ps(ev, load8(vj + 16), a2);
+      a3 = _mm256_fmadd_ps(ev, load8(vj + 24), a3);
+    }
+    _mm256_storeu_ps(acc + d, a0);
+    _mm256_storeu_ps(acc + d + 8, a1);
+    _mm256_storeu_ps(acc + d + 16, a2);
+    _mm256_storeu_ps(acc + d + 24, a3);
+  }
+  for (; d + 8 <= D; d += 8) {
+    __m256 a = _mm256_mul_ps(_mm256_loadu_ps(acc + d), av);
+    for (int64_t j = 0; j < n; ++j) a = _mm256_fmadd_ps(_mm256_set1_ps(e[j]), load8(v + j * stride + d), a);
+    _mm256_storeu_ps(acc + d, a);
+  }
+  for (; d < D; ++d) {
+    float a = acc[d] * alpha;
+    for (int64_t j = 0; j < n; ++j) a = std::fma(e[j], load1(v + j * stride + d), a);
+    acc[d] = a;
+  }
 }
 
 struct Layout {
@@ -208,46 +256,42 @@ struct Layout {
   int64_t window;
 };
 
-// Query heads [g0, g1) of kv head `kvh` for token `t` of request `b`; each head's arithmetic is the same
-// whichever heads share the call.
+// Query heads [g0, g1) of kv head `kvh` for token `t` of request `b`. The context is walked in KV-cache
+// blocks (pieces of at most 64 keys) from its first position, with an online softmax: the arithmetic
+// depends on the row's position alone.
 template <typename KV>
 void attend(const Layout& L, const float* q, const KV* kv, float* out, int64_t b, int64_t t, int64_t kvh,
-            int64_t g0, int64_t g1, int64_t H, float* scratch) {
+            int64_t g0, int64_t g1, int64_t H, float* acc) {
   const int64_t D = L.D, bs = L.bs, row = L.kvh_count * D;
   const int64_t q_len = L.qsl[b + 1] - L.qsl[b];
   const int64_t pos = L.seq_lens[b] - q_len + (t - L.qsl[b]);
   const int64_t lo = L.window > 0 ? std::max<int64_t>(0, pos - L.window + 1) : 0;
   const int32_t* table = L.table + b * L.table_width;
+  constexpr float inf = std::numeric_limits<float>::infinity();
   alignas(32) float s[64];
   for (int64_t g = g0; g < g1; ++g) {
     const int64_t h = kvh * L.group + g;
     const float* qh = q + (t * H + h) * D;
-    float* acc = scratch;
     std::fill(acc, acc + D, 0.0f);
-    float m = -std::numeric_limits<float>::infinity(), l = 0.0f;
+    float m = -inf, l = 0.0f;
     for (int64_t blk = lo / bs; blk <= pos / bs; ++blk) {
       const KV* kb = kv + (int64_t(table[blk]) * 2 * bs) * row + kvh * D;
       const KV* vb = kb + bs * row;
       const int64_t j0 = std::max(lo, blk * bs) - blk * bs, j1 = std::min(pos + 1, blk * bs + bs) - blk * bs;
       for (int64_t c0 = j0; c0 < j1; c0 += 64) {
-        const int64_t c1 = std::min(j1, c0 + 64);
-        float mb = -std::numeric_limits<float>::infinity();
-        for (int64_t j = c0; j < c1; ++j) {
-          s[j - c0] = dot(qh, kb + j * row, D) * L.scale;
-          mb = std::max(mb, s[j - c0]);
-        }
+        const int64_t n = std::min<int64_t>(j1 - c0, 64), padded = (n + 7) / 8 * 8;
+        scores(qh, kb + c0 * row, row, n, D, L.scale, s);
+        float mb = -inf;
+        for (int64_t j = 0; j < n; ++j) mb = std::max(mb, s[j]);
         const float m_new = std::max(m, mb);
-        const int64_t n = c1 - c0, padded = (n + 7) / 8 * 8;
-        for (int64_t j = n; j < padded; ++j) s[j] = -std::numeric_limits<float>::infinity();
+        for (int64_t j = n; j < padded; ++j) s[j] = -inf;
         const __m256 mv = _mm256_set1_ps(m_new);
         for (int64_t j = 0; j < padded; j += 8)
           _mm256_store_ps(s + j, exp8(_mm256_sub_ps(_mm256_load_ps(s + j), mv)));
-        float alpha = exp1(m - m_new);
-        for (int64_t j = 0; j < n; ++j) {
-          l = l * alpha + s[j];
-          scale_add(acc, alpha, s[j], vb + (c0 + j) * row, D);
-          alpha = 1.0f;
-        }
+        const float alpha = exp1(m - m_new);
+        l *= alpha;
+        for (int64_t j = 0; j < n; ++j) l += s[j];
+        accumulate(acc, alpha, s, vb + c0 * row, row, n, D);
         m = m_new;
       }
     }

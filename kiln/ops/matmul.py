@@ -1,0 +1,91 @@
+"""How linear layers and the LM head multiply: each implementation owns its weights' layout, applied once
+after loading (`pack`), so no step converts a weight.
+
+- TorchMatmul: torch's GEMM on the weights as loaded; a storage dtype the device can't multiply natively
+  is widened once at load (the CPU fallback without kiln's kernels).
+- CpuMatmul: kiln's C++ kernel on weights packed in their own dtype, widened in registers; batch-invariant
+  (a row's result never depends on the other rows) and faster than torch's fp32 GEMM at every batch size
+  on the 2-core AVX2 machine (BENCHMARKS.md)."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+
+BLOCK = 16  # CpuMatmul's packed columns per block (kernels.cpp's kBlock)
+
+
+class Matmul(Protocol):
+    def pack(self, weight: torch.Tensor) -> torch.Tensor:
+        """[N, K] as loaded -> the layout `linear` and `logits` take."""
+        ...
+
+    def pack_bias(self, bias: torch.Tensor) -> torch.Tensor: ...
+
+    def pack_head(self, head: torch.Tensor) -> torch.Tensor:
+        """The LM head [vocab, K] -> the layout `logits` takes."""
+        ...
+
+    def linear(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, n: int
+    ) -> torch.Tensor:
+        """x [M, K] -> [M, n] in x's dtype."""
+        ...
+
+    def logits(self, hidden: torch.Tensor, head: torch.Tensor, n: int) -> torch.Tensor:
+        """hidden [M, K] -> float32 [M, n]."""
+        ...
+
+
+class TorchMatmul:
+    def __init__(self, storage: torch.dtype | None = None) -> None:
+        self.storage = storage  # set: weights are widened to it at load
+
+    def pack(self, weight: torch.Tensor) -> torch.Tensor:
+        return weight if self.storage is None else weight.to(self.storage)
+
+    def pack_bias(self, bias: torch.Tensor) -> torch.Tensor:
+        return self.pack(bias)
+
+    def pack_head(self, head: torch.Tensor) -> torch.Tensor:
+        # A CPU has no 16-bit GEMM into float32: the head gets a float32 copy.
+        return head if head.dtype == torch.float32 or head.device.type != "cpu" else head.float()
+
+    def linear(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, n: int
+    ) -> torch.Tensor:
+        return F.linear(x, weight, bias)
+
+    def logits(self, hidden: torch.Tensor, head: torch.Tensor, n: int) -> torch.Tensor:
+        if head.dtype == torch.float32:
+            return F.linear(hidden.float(), head)
+        # cuBLAS accumulates a 16-bit head straight into float32: one read of the head per step.
+        return torch.mm(hidden.to(head.dtype), head.t(), out_dtype=torch.float32)
+
+
+class CpuMatmul:
+    """Needs kiln.ops.cpu.native loaded (the backend choice does it). Activations are float32."""
+
+    def pack(self, weight: torch.Tensor) -> torch.Tensor:
+        """[N, K] -> [ceil(N / 16), K, 16]: sixteen columns side by side, zero past N."""
+        n, k = weight.shape
+        blocks = -(-n // BLOCK)
+        padded = torch.zeros(blocks * BLOCK, k, dtype=weight.dtype, device=weight.device)
+        padded[:n] = weight
+        return padded.view(blocks, BLOCK, k).transpose(1, 2).contiguous()
+
+    def pack_bias(self, bias: torch.Tensor) -> torch.Tensor:
+        return bias.float()
+
+    def pack_head(self, head: torch.Tensor) -> torch.Tensor:
+        return self.pack(head)
+
+    def linear(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, n: int
+    ) -> torch.Tensor:
+        return torch.ops.kiln_cpu.linear(x, weight, n, bias)
+
+    def logits(self, hidden: torch.Tensor, head: torch.Tensor, n: int) -> torch.Tensor:
+        return torch.ops.kiln_cpu.linear(hidden.float(), head, n, None)

@@ -1,0 +1,112 @@
+"""Same request, same answer: on the CPU, with the default config, a request's greedy tokens and its seeded
+sampled tokens do not depend on the prefix cache, on where chunked prefill splits its prompt, on the other
+requests in its steps, or on a preemption and recompute."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+
+import pytest
+
+from kiln import LLM, SamplingParams
+
+pytestmark = pytest.mark.slow
+
+TOKENS = 64
+CHATS = [
+    "Write one sentence about the sea.",
+    "What is the capital of France?",
+    "Give me three tips for learning to cook.",
+]
+COMPLETIONS = [
+    "The history of the lighthouse begins",
+    "def fibonacci(n):",
+    "Once upon a time, in a small village by the mountains,",
+]
+LONG = 2100  # prompt tokens of a long neighbour: more than the 2048-token step budget, so it is chunked
+
+Target = tuple[list[int], SamplingParams]
+
+
+def targets(llm: LLM) -> list[Target]:
+    tok = llm.get_tokenizer()
+    prompts = [llm.apply_chat_template([{"role": "user", "content": c}]) for c in CHATS]
+    prompts += [tok.encode(c) for c in COMPLETIONS]
+    greedy = SamplingParams(temperature=0.0, max_tokens=TOKENS, ignore_eos=True)
+    out: list[Target] = []
+    for i, ids in enumerate(prompts):
+        out.append((ids, greedy))
+        out.append((ids, SamplingParams(temperature=0.8, seed=1000 + i, max_tokens=TOKENS, ignore_eos=True)))
+    return out
+
+
+def neighbours(rng: random.Random, count: int, vocab: int, long: int = 0) -> list[Target]:
+    """Random prompts (their own tokens, so they share no prefix with a target) and sampling settings."""
+    out: list[Target] = []
+    for i in range(count):
+        length = LONG if i < long else rng.randint(4, 300)
+        ids = [rng.randrange(vocab) for _ in range(length)]
+        temp = rng.choice([0.0, 0.7, 1.0])
+        out.append((ids, SamplingParams(temperature=temp, max_tokens=rng.randint(4, 80), ignore_eos=True)))
+    return out
+
+
+def run(llm: LLM, batch: Sequence[Target]) -> list[list[int]]:
+    prompts = [{"prompt_token_ids": ids} for ids, _ in batch]
+    outs = llm.generate(prompts, [p for _, p in batch], use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+@pytest.fixture(scope="module")
+def llm() -> LLM:
+    return LLM("default")  # the default config: float16 weights, compiled, prefix caching on
+
+
+@pytest.fixture(scope="module")
+def alone(llm: LLM) -> list[list[int]]:
+    """Each target's tokens when it runs by itself, first seen (its prefix not cached)."""
+    return [run(llm, [t])[0] for t in targets(llm)]
+
+
+def test_repeats_with_the_prefix_cached_give_the_same_tokens(llm: LLM, alone: list[list[int]]) -> None:
+    before = llm.engine.stats()["prefix_cache_hits"]
+    for _ in range(2):
+        assert [run(llm, [t])[0] for t in targets(llm)] == alone
+    assert llm.engine.stats()["prefix_cache_hits"] > before
+
+
+@pytest.mark.parametrize("size", [4, 16])
+def test_batches_with_chunked_neighbours_give_the_same_tokens(
+    llm: LLM, alone: list[list[int]], size: int
+) -> None:
+    """In every other batch a long neighbour goes first, so it is chunked and the targets' prompts are split
+    at whatever the step budget leaves; the other neighbours are random in length, sampling and output
+    length."""
+    rng = random.Random(size)
+    vocab = llm.engine.model.dims.vocab_size
+    tgts = list(enumerate(targets(llm)))
+    per_batch = 2 if size == 4 else 6
+    for start in range(0, len(tgts), per_batch):
+        group = tgts[start : start + per_batch]
+        long = 1 if start % (2 * per_batch) == 0 else 0  # every other batch: each long prefill takes seconds
+        fill = neighbours(rng, size - len(group), vocab, long)
+        batch: list[tuple[int | None, Target]] = [(i, t) for i, t in group] + [(None, n) for n in fill[long:]]
+        rng.shuffle(batch)
+        if long:
+            batch.insert(0, (None, fill[0]))
+        got = run(llm, [t for _, t in batch])
+        for (i, _), tokens in zip(batch, got, strict=True):
+            if i is not None:
+                assert tokens == alone[i], f"target {i} changed in a batch of {size}"
+
+
+def test_preemption_and_recompute_give_the_same_tokens(alone: list[list[int]]) -> None:
+    # About 900 tokens of KV cache: sixteen requests of up to 300 + 64 tokens cannot all fit at once.
+    small = LLM("default", kv_cache_gib=0.02, max_model_len=512)
+    rng = random.Random(7)
+    tgts = targets(small)
+    batch = tgts + neighbours(rng, 16 - len(tgts), small.engine.model.dims.vocab_size)
+    got = run(small, batch)
+    assert small.engine.stats()["preemptions"] > 0
+    assert got[: len(tgts)] == alone
