@@ -1,0 +1,44 @@
+"""Prefill speed offline: one prompt of N random token ids, one output token, the default config (so
+prompts past max_num_batched_tokens are chunked), prefix caching off so repeats compute everything.
+
+    .venv/bin/python perf/prefill.py --tokens 1900 7900 [--repeats 2]
+
+To time another checkout (a git worktree of an earlier commit), put it first on the path:
+PYTHONPATH=/tmp/kiln-before .venv/bin/python perf/prefill.py (a script imports kiln from PYTHONPATH before
+the installed tree)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import random
+import statistics
+import time
+
+from kiln import LLM, SamplingParams
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tokens", type=int, nargs="+", default=[1900])
+    ap.add_argument("--repeats", type=int, default=2)
+    args = ap.parse_args()
+    logging.basicConfig(level=logging.WARNING)
+    llm = LLM("default", enable_prefix_caching=False)
+    vocab = llm.engine.model.dims.vocab_size
+    params = SamplingParams(temperature=0.0, max_tokens=1)
+    rng = random.Random(0)
+    for n in args.tokens:
+        ids = [rng.randrange(100, vocab) for _ in range(n)]
+        times = []
+        for _ in range(args.repeats):
+            clock = time.perf_counter()
+            llm.generate({"prompt_token_ids": ids}, params, use_tqdm=False)
+            times.append(time.perf_counter() - clock)
+        s = statistics.median(times)
+        print(json.dumps({"tokens": n, "seconds": round(s, 2), "tok/s": round(n / s, 1), "runs": times}))
+
+
+if __name__ == "__main__":
+    main()
