@@ -14,6 +14,8 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <array>
+#include <type_traits>
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -179,71 +181,102 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(_mm_add_ss(s, _mm_shuffle_ps(s, s, 1)));
 }
 
-template <typename KV>
-inline void scores(const float* q, const KV* k, int64_t stride, int64_t n, int64_t D, float scale, float* s) {
-  int64_t j = 0;
-  for (; j + 4 <= n; j += 4) {
-    const KV* k0 = k + j * stride;
-    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-    int64_t d = 0;
-    for (; d + 8 <= D; d += 8) {
-      __m256 qv = _mm256_loadu_ps(q + d);
-      a0 = _mm256_fmadd_ps(qv, load8(k0 + d), a0);
-      a1 = _mm256_fmadd_ps(qv, load8(k0 + stride + d), a1);
-      a2 = _mm256_fmadd_ps(qv, load8(k0 + 2 * stride + d), a2);
-      a3 = _mm256_fmadd_ps(qv, load8(k0 + 3 * stride + d), a3);
+constexpr int kRows = 4;  // query rows of one request attended together: they share each K/V load
+
+// s[r][j] = scale * q_r . k_j for rows r < R and keys j in [j0, j1), `stride` apart. Each score is one FMA
+// chain over d, then summed in a fixed order: the same whichever rows and keys share its pass.
+template <typename KV, int R>
+inline void tile_scores(const float* const* q, const KV* k, int64_t stride, int64_t j0, int64_t j1, int64_t D,
+                        float scale, float (*s)[64]) {
+  constexpr int P = R == 1 ? 4 : 2;  // keys per pass
+  const int64_t vec = D / 8 * 8;
+  auto finish = [&](__m256 a, int r, int64_t j) {
+    float x = hsum(a);
+    for (int64_t t = vec; t < D; ++t) x = std::fma(q[r][t], load1(k + j * stride + t), x);
+    s[r][j] = x * scale;
+  };
+  int64_t j = j0;
+  for (; j + P <= j1; j += P) {
+    __m256 a[R][P];
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+      for (int p = 0; p < P; ++p) a[r][p] = _mm256_setzero_ps();
+    for (int64_t d = 0; d < vec; d += 8) {
+      __m256 kv[P];
+#pragma GCC unroll 4
+      for (int p = 0; p < P; ++p) kv[p] = load8(k + (j + p) * stride + d);
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) {
+        const __m256 qv = _mm256_loadu_ps(q[r] + d);
+#pragma GCC unroll 4
+        for (int p = 0; p < P; ++p) a[r][p] = _mm256_fmadd_ps(qv, kv[p], a[r][p]);
+      }
     }
-    float r[4] = {hsum(a0), hsum(a1), hsum(a2), hsum(a3)};
-    for (int i = 0; i < 4; ++i) {
-      for (int64_t t = d; t < D; ++t) r[i] = std::fma(q[t], load1(k0 + i * stride + t), r[i]);
-      s[j + i] = r[i] * scale;
-    }
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+      for (int p = 0; p < P; ++p) finish(a[r][p], r, j + p);
   }
-  for (; j < n; ++j) {
-    const KV* kj = k + j * stride;
-    __m256 a = _mm256_setzero_ps();
-    int64_t d = 0;
-    for (; d + 8 <= D; d += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), load8(kj + d), a);
-    float r = hsum(a);
-    for (int64_t t = d; t < D; ++t) r = std::fma(q[t], load1(kj + t), r);
-    s[j] = r * scale;
+  for (; j < j1; ++j) {
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) {
+      __m256 a = _mm256_setzero_ps();
+      for (int64_t d = 0; d < vec; d += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(q[r] + d), load8(k + j * stride + d), a);
+      finish(a, r, j);
+    }
   }
 }
 
-// acc[0:D] = acc * alpha, then acc += e[j] * v[j] for j in order: each lane is one FMA chain, and four
-// chains run side by side (how lanes are grouped never changes a lane's arithmetic).
-template <typename KV>
-inline void accumulate(float* acc, float alpha, const float* e, const KV* v, int64_t stride, int64_t n,
-                       int64_t D) {
-  const __m256 av = _mm256_set1_ps(alpha);
+// Rows r < R that have keys in this piece: acc_r = acc_r * alpha_r, then acc_r += e_r[j] * v_j for their
+// keys j in order. Each lane is one FMA chain; lanes are grouped (VW vectors, across rows) for loads and
+// registers only.
+template <typename KV, int R>
+inline void tile_accumulate(float* acc, const float* alpha, const float (*e)[64], const int64_t* v0,
+                            const int64_t* v1, const KV* v, int64_t stride, int64_t u0, int64_t u1, int64_t D) {
+  constexpr int VW = R <= 2 ? 4 : 2;
   int64_t d = 0;
-  for (; d + 32 <= D; d += 32) {
-    __m256 a0 = _mm256_mul_ps(_mm256_loadu_ps(acc + d), av);
-    __m256 a1 = _mm256_mul_ps(_mm256_loadu_ps(acc + d + 8), av);
-    __m256 a2 = _mm256_mul_ps(_mm256_loadu_ps(acc + d + 16), av);
-    __m256 a3 = _mm256_mul_ps(_mm256_loadu_ps(acc + d + 24), av);
-    for (int64_t j = 0; j < n; ++j) {
-      const __m256 ev = _mm256_set1_ps(e[j]);
-      const KV* vj = v + j * stride + d;
-      a0 = _mm256_fmadd_ps(ev, load8(vj), a0);
-      a1 = _mm256_fmadd_ps(ev, load8(vj + 8), a1);
-      a2 = _mm256_fmadd_ps(ev, load8(vj + 16), a2);
-      a3 = _mm256_fmadd_ps(ev, load8(vj + 24), a3);
+  for (; d + 8 * VW <= D; d += 8 * VW) {
+    __m256 a[R][VW];
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+      for (int w = 0; w < VW; ++w)
+        a[r][w] = _mm256_mul_ps(_mm256_loadu_ps(acc + r * D + d + 8 * w), _mm256_set1_ps(alpha[r]));
+    for (int64_t j = u0; j < u1; ++j) {
+      __m256 vv[VW];
+#pragma GCC unroll 4
+      for (int w = 0; w < VW; ++w) vv[w] = load8(v + j * stride + d + 8 * w);
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) {
+        if (j < v0[r] || j >= v1[r]) continue;
+        const __m256 ev = _mm256_set1_ps(e[r][j]);
+#pragma GCC unroll 4
+        for (int w = 0; w < VW; ++w) a[r][w] = _mm256_fmadd_ps(ev, vv[w], a[r][w]);
+      }
     }
-    _mm256_storeu_ps(acc + d, a0);
-    _mm256_storeu_ps(acc + d + 8, a1);
-    _mm256_storeu_ps(acc + d + 16, a2);
-    _mm256_storeu_ps(acc + d + 24, a3);
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) {
+      if (v0[r] >= v1[r]) continue;
+#pragma GCC unroll 4
+      for (int w = 0; w < VW; ++w) _mm256_storeu_ps(acc + r * D + d + 8 * w, a[r][w]);
+    }
   }
   for (; d + 8 <= D; d += 8) {
-    __m256 a = _mm256_mul_ps(_mm256_loadu_ps(acc + d), av);
-    for (int64_t j = 0; j < n; ++j) a = _mm256_fmadd_ps(_mm256_set1_ps(e[j]), load8(v + j * stride + d), a);
-    _mm256_storeu_ps(acc + d, a);
+    for (int r = 0; r < R; ++r) {
+      if (v0[r] >= v1[r]) continue;
+      __m256 a = _mm256_mul_ps(_mm256_loadu_ps(acc + r * D + d), _mm256_set1_ps(alpha[r]));
+      for (int64_t j = v0[r]; j < v1[r]; ++j) a = _mm256_fmadd_ps(_mm256_set1_ps(e[r][j]), load8(v + j * stride + d), a);
+      _mm256_storeu_ps(acc + r * D + d, a);
+    }
   }
   for (; d < D; ++d) {
-    float a = acc[d] * alpha;
-    for (int64_t j = 0; j < n; ++j) a = std::fma(e[j], load1(v + j * stride + d), a);
-    acc[d] = a;
+    for (int r = 0; r < R; ++r) {
+      if (v0[r] >= v1[r]) continue;
+      float a = acc[r * D + d] * alpha[r];
+      for (int64_t j = v0[r]; j < v1[r]; ++j) a = std::fma(e[r][j], load1(v + j * stride + d), a);
+      acc[r * D + d] = a;
+    }
   }
 }
 
@@ -256,48 +289,65 @@ struct Layout {
   int64_t window;
 };
 
-// Query heads [g0, g1) of kv head `kvh` for token `t` of request `b`. The context is walked in KV-cache
-// blocks (pieces of at most 64 keys) from its first position, with an online softmax: the arithmetic
-// depends on the row's position alone.
-template <typename KV>
-void attend(const Layout& L, const float* q, const KV* kv, float* out, int64_t b, int64_t t, int64_t kvh,
+// Rows t0 .. t0 + R - 1 of request `b` (consecutive, so at consecutive positions), query heads [g0, g1)
+// of kv head `kvh`. Each row walks its own context, [first, position], in KV-cache blocks cut into pieces
+// of at most 64 keys at fixed offsets, with an online softmax: a row's arithmetic depends on its position
+// alone, never on the rows it is grouped with.
+template <typename KV, int R>
+void attend(const Layout& L, const float* q, const KV* kv, float* out, int64_t b, int64_t t0, int64_t kvh,
             int64_t g0, int64_t g1, int64_t H, float* acc) {
   const int64_t D = L.D, bs = L.bs, row = L.kvh_count * D;
-  const int64_t q_len = L.qsl[b + 1] - L.qsl[b];
-  const int64_t pos = L.seq_lens[b] - q_len + (t - L.qsl[b]);
-  const int64_t lo = L.window > 0 ? std::max<int64_t>(0, pos - L.window + 1) : 0;
+  const int64_t start = L.seq_lens[b] - (L.qsl[b + 1] - L.qsl[b]) - L.qsl[b];  // row t sits at start + t
   const int32_t* table = L.table + b * L.table_width;
   constexpr float inf = std::numeric_limits<float>::infinity();
-  alignas(32) float s[64];
+  int64_t pos[R], lo[R];
+  for (int r = 0; r < R; ++r) {
+    pos[r] = start + t0 + r;
+    lo[r] = L.window > 0 ? std::max<int64_t>(0, pos[r] - L.window + 1) : 0;
+  }
+  alignas(32) float s[R][64];
+  alignas(32) float e[R][64];
   for (int64_t g = g0; g < g1; ++g) {
     const int64_t h = kvh * L.group + g;
-    const float* qh = q + (t * H + h) * D;
-    std::fill(acc, acc + D, 0.0f);
-    float m = -inf, l = 0.0f;
-    for (int64_t blk = lo / bs; blk <= pos / bs; ++blk) {
+    const float* qr[R];
+    for (int r = 0; r < R; ++r) qr[r] = q + ((t0 + r) * H + h) * D;
+    std::fill(acc, acc + R * D, 0.0f);
+    float m[R], l[R], alpha[R];
+    for (int r = 0; r < R; ++r) m[r] = -inf, l[r] = 0.0f, alpha[r] = 1.0f;
+    for (int64_t blk = lo[0] / bs; blk <= pos[R - 1] / bs; ++blk) {
       const KV* kb = kv + (int64_t(table[blk]) * 2 * bs) * row + kvh * D;
       const KV* vb = kb + bs * row;
-      const int64_t j0 = std::max(lo, blk * bs) - blk * bs, j1 = std::min(pos + 1, blk * bs + bs) - blk * bs;
-      for (int64_t c0 = j0; c0 < j1; c0 += 64) {
-        const int64_t n = std::min<int64_t>(j1 - c0, 64), padded = (n + 7) / 8 * 8;
-        scores(qh, kb + c0 * row, row, n, D, L.scale, s);
-        float mb = -inf;
-        for (int64_t j = 0; j < n; ++j) mb = std::max(mb, s[j]);
-        const float m_new = std::max(m, mb);
-        for (int64_t j = n; j < padded; ++j) s[j] = -inf;
-        const __m256 mv = _mm256_set1_ps(m_new);
-        for (int64_t j = 0; j < padded; j += 8)
-          _mm256_store_ps(s + j, exp8(_mm256_sub_ps(_mm256_load_ps(s + j), mv)));
-        const float alpha = exp1(m - m_new);
-        l *= alpha;
-        for (int64_t j = 0; j < n; ++j) l += s[j];
-        accumulate(acc, alpha, s, vb + c0 * row, row, n, D);
-        m = m_new;
+      for (int64_t c0 = 0; c0 < bs; c0 += 64) {
+        const int64_t base = blk * bs + c0, len = std::min<int64_t>(64, bs - c0);
+        int64_t v0[R], v1[R], u0 = len, u1 = 0;
+        for (int r = 0; r < R; ++r) {
+          v0[r] = std::clamp<int64_t>(lo[r] - base, 0, len);
+          v1[r] = std::clamp<int64_t>(pos[r] + 1 - base, 0, len);
+          if (v0[r] < v1[r]) u0 = std::min(u0, v0[r]), u1 = std::max(u1, v1[r]);
+        }
+        if (u0 >= u1) continue;
+        tile_scores<KV, R>(qr, kb + c0 * row, row, u0, u1, D, L.scale, s);
+        for (int r = 0; r < R; ++r) {
+          if (v0[r] >= v1[r]) continue;
+          float mb = -inf;
+          for (int64_t j = v0[r]; j < v1[r]; ++j) mb = std::max(mb, s[r][j]);
+          const float m_new = std::max(m[r], mb);
+          const int64_t a0 = v0[r] / 8 * 8, a1 = (v1[r] + 7) / 8 * 8;
+          for (int64_t j = a0; j < a1; ++j) e[r][j] = j >= v0[r] && j < v1[r] ? s[r][j] - m_new : -inf;
+          for (int64_t j = a0; j < a1; j += 8) _mm256_store_ps(e[r] + j, exp8(_mm256_load_ps(e[r] + j)));
+          alpha[r] = exp1(m[r] - m_new);
+          l[r] *= alpha[r];
+          for (int64_t j = v0[r]; j < v1[r]; ++j) l[r] += e[r][j];
+          m[r] = m_new;
+        }
+        tile_accumulate<KV, R>(acc, alpha, e, v0, v1, vb + c0 * row, row, u0, u1, D);
       }
     }
-    float* o = out + (t * H + h) * D;
-    const float inv = 1.0f / l;
-    for (int64_t d = 0; d < D; ++d) o[d] = acc[d] * inv;
+    for (int r = 0; r < R; ++r) {
+      float* o = out + ((t0 + r) * H + h) * D;
+      const float inv = 1.0f / l[r];
+      for (int64_t d = 0; d < D; ++d) o[d] = acc[r * D + d] * inv;
+    }
   }
 }
 
@@ -319,22 +369,32 @@ at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& kv_cache, c
   Layout L{query_start_loc.data_ptr<int32_t>(), seq_lens.data_ptr<int32_t>(), block_table.data_ptr<int32_t>(),
            block_table.size(1), kv_cache.size(2), KVH, D, H / KVH, float(scale), sliding_window};
   at::Tensor out = at::zeros_like(q);
-  std::vector<int32_t> req(T, -1);
-  for (int64_t b = 0; b < B; ++b)
-    for (int64_t t = L.qsl[b]; t < L.qsl[b + 1] && t < T; ++t) req[t] = int32_t(b);
-  // Work items: (token, kv head) with its query heads together, or single heads when that is too few
+  // Groups of up to kRows consecutive rows of one request: (request, first row, rows).
+  std::vector<std::array<int64_t, 3>> groups;
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t end = std::min<int64_t>(L.qsl[b + 1], T);
+    for (int64_t t = L.qsl[b]; t < end; t += kRows) groups.push_back({b, t, std::min<int64_t>(kRows, end - t)});
+  }
+  const int64_t n = int64_t(groups.size());
+  // Work items: (group, kv head) with its query heads together, or single heads when that is too few
   // items to keep every thread busy (a decode of one sequence).
-  const int64_t split = T * KVH < 4 * at::get_num_threads() ? L.group : 1;
+  const int64_t split = n * KVH < 4 * at::get_num_threads() ? L.group : 1;
   const int64_t per = L.group / split;
   const float* qp = q.data_ptr<float>();
   float* op = out.data_ptr<float>();
   auto run = [&](auto* kv) {
-    at::parallel_for(0, T * KVH * split, 1, [&](int64_t begin, int64_t end) {
-      std::vector<float> scratch(D);
+    using KV = std::remove_const_t<std::remove_pointer_t<decltype(kv)>>;
+    at::parallel_for(0, n * KVH * split, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> acc(kRows * D);
       for (int64_t i = begin; i < end; ++i) {
-        const int64_t t = i / (KVH * split), kvh = (i / split) % KVH, part = i % split;
-        if (req[t] < 0) continue;
-        attend(L, qp, kv, op, req[t], t, kvh, part * per, (part + 1) * per, H, scratch.data());
+        const auto [b, t0, rows] = groups[i / (KVH * split)];
+        const int64_t kvh = (i / split) % KVH, g0 = (i % split) * per, g1 = g0 + per;
+        switch (rows) {
+          case 4: attend<KV, 4>(L, qp, kv, op, b, t0, kvh, g0, g1, H, acc.data()); break;
+          case 3: attend<KV, 3>(L, qp, kv, op, b, t0, kvh, g0, g1, H, acc.data()); break;
+          case 2: attend<KV, 2>(L, qp, kv, op, b, t0, kvh, g0, g1, H, acc.data()); break;
+          default: attend<KV, 1>(L, qp, kv, op, b, t0, kvh, g0, g1, H, acc.data()); break;
+        }
       }
     });
   };

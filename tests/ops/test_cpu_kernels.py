@@ -1,0 +1,69 @@
+"""kiln's CPU kernels: close to torch's reference, and a row's bits never depend on the rows beside it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kiln.ops.attention import attention as reference_attention
+from kiln.ops.cpu import native
+from kiln.ops.matmul import CpuMatmul
+
+MISSING = native.available()
+pytestmark = pytest.mark.skipif(MISSING is not None, reason=f"kiln's CPU kernels cannot run here: {MISSING}")
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize(("n", "k"), [(100, 40), (576, 1536)])
+def test_linear_rows_are_batch_invariant(dtype: torch.dtype, n: int, k: int) -> None:
+    torch.manual_seed(0)
+    w, bias, x = torch.randn(n, k).to(dtype), torch.randn(n), torch.randn(29, k)
+    mm = CpuMatmul()
+    packed = mm.pack(w)
+    full = mm.linear(x, packed, bias, n)
+    torch.testing.assert_close(full, x @ w.float().t() + bias, rtol=1e-4, atol=1e-4)
+    for rows in (1, 2, 3, 5, 6, 7, 13):
+        for at in (0, 4, 29 - rows):
+            assert torch.equal(mm.linear(x[at : at + rows], packed, bias, n), full[at : at + rows])
+
+
+def _attend(
+    q: torch.Tensor, cache: torch.Tensor, qsl: list[int], lens: list[int], tables: list, window: int
+) -> torch.Tensor:
+    i32 = torch.int32
+    q_start, seq = torch.tensor(qsl, dtype=i32), torch.tensor(lens, dtype=i32)
+    table = torch.tensor(tables, dtype=i32)
+    return torch.ops.kiln_cpu.paged_attention(q, cache, q_start, seq, table, q.shape[-1] ** -0.5, window)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize(("dim", "block", "window"), [(64, 16, 0), (64, 16, 20), (20, 128, 0)])
+def test_attention_rows_do_not_depend_on_chunking_or_neighbours(
+    dtype: torch.dtype, dim: int, block: int, window: int
+) -> None:
+    """Three requests in one call (a 9-token chunk after a cached prefix, a decode, a fresh 7-token
+    prompt) against the torch reference; then each row again alone, in other chunks and as decodes."""
+    torch.manual_seed(0)
+    heads, kv_heads, blocks = 6, 2, 12
+    cache = torch.randn(blocks + 1, 2, block, kv_heads, dim).to(dtype)
+    order = torch.randperm(blocks).tolist()
+    tables = [order[0:4], order[4:8], order[8:12]]
+    qsl, lens = [0, 9, 10, 17], [3 * block - 5, block + 3, 7]
+    q = torch.randn(17, heads, dim)
+    got = _attend(q, cache, qsl, lens, tables, window)
+    none = torch.full((17,), -1)
+    nothing = torch.zeros(17, kv_heads, dim)
+    want = reference_attention(
+        q, nothing, nothing, cache.clone().float(), none, torch.tensor(qsl, dtype=torch.int32),
+        torch.tensor(lens, dtype=torch.int32), torch.tensor(tables, dtype=torch.int32), dim**-0.5, window,
+    )  # fmt: skip
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    ctx = lens[0]
+    for split in (1, 2, 4, 5):
+        head = _attend(q[:split], cache, [0, split], [ctx - 9 + split], [tables[0]], window)
+        tail = _attend(q[split:9], cache, [0, 9 - split], [ctx], [tables[0]], window)
+        assert torch.equal(torch.cat([head, tail]), got[:9])
+    for row in range(9):
+        alone = _attend(q[row : row + 1], cache, [0, 1], [ctx - 8 + row], [tables[0]], window)
+        assert torch.equal(alone, got[row : row + 1])
+    assert torch.equal(_attend(q[9:10], cache, [0, 1], [lens[1]], [tables[1]], window), got[9:10])
