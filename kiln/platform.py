@@ -28,9 +28,14 @@ def describe(device: torch.device) -> str:
 
 
 @functools.cache
+def cxx() -> str | None:
+    """The C++ compiler Inductor's CPU backend and kiln's CPU kernels build with ($CXX, g++ or clang++)."""
+    return shutil.which(os.environ.get("CXX", "g++")) or shutil.which("clang++")
+
+
 def has_cxx() -> bool:
-    """Inductor's CPU backend compiles C++: without a compiler, CPU code runs eagerly."""
-    return shutil.which(os.environ.get("CXX", "g++")) is not None or shutil.which("clang++") is not None
+    """Without a compiler, CPU code runs eagerly and kiln's CPU kernels are not built."""
+    return cxx() is not None
 
 
 def native_matmul_dtypes(device: torch.device) -> set[torch.dtype]:

@@ -11,8 +11,8 @@ from kiln.cli import _load_config, build_parser
 from kiln.config import EngineConfig
 from kiln.ops import backend as backend_module
 from kiln.ops.backend import Backend, choose_backend
-from kiln.ops.cpu import native as cpu_native
 from kiln.ops.matmul import CpuMatmul
+from kiln.ops.triton.matmul import TritonMatmul
 from tests.models.test_architectures import PROMPTS
 from tests.models.tiny import build
 
@@ -26,8 +26,7 @@ def test_the_config_key_and_the_flag_set_it() -> None:
     assert not _load_config(build_parser().parse_args(["serve"])).backend.deterministic
 
 
-def test_a_cpu_with_kiln_kernels_is_accepted(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(cpu_native, "available", lambda: None)  # as if built: no compiler run here
+def test_a_cpu_with_kiln_kernels_is_accepted() -> None:
     choice = choose_backend("auto", "auto", "auto", CPU, 64, torch.bfloat16, deterministic=True)
     assert choice == Backend("cpu", "cpu", "torch", deterministic=True)
     assert isinstance(choice.layer_kernels(CPU, torch.bfloat16).matmul, CpuMatmul)
@@ -35,19 +34,13 @@ def test_a_cpu_with_kiln_kernels_is_accepted(monkeypatch: pytest.MonkeyPatch) ->
 
 
 @pytest.mark.parametrize(("kernels", "attention"), [("torch", "torch"), ("torch", "cpu"), ("cpu", "torch")])
-def test_a_cpu_forced_to_torch_refuses_it(
-    kernels: str, attention: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setattr(cpu_native, "available", lambda: None)
+def test_a_cpu_forced_to_torch_refuses_it(kernels: str, attention: str) -> None:
     with pytest.raises(ValueError, match=r"backend\.deterministic needs kiln's CPU kernels"):
         choose_backend(kernels, attention, "auto", CPU, 64, torch.bfloat16, deterministic=True)
     choose_backend(kernels, attention, "auto", CPU, 64, torch.bfloat16)  # fine when not asked
 
 
 def test_cuda_takes_the_triton_gemm_and_needs_flashinfer(monkeypatch: pytest.MonkeyPatch) -> None:
-    pytest.importorskip("triton", reason="Triton is not installed (pip install triton)")
-    from kiln.ops.triton.matmul import TritonMatmul
-
     monkeypatch.setattr(backend_module, "_importable", lambda name: True)  # as on a GPU machine
     choice = choose_backend("auto", "auto", "auto", CUDA, 128, torch.bfloat16, deterministic=True)
     assert choice == Backend("triton", "flashinfer", "flashinfer", deterministic=True)
@@ -65,9 +58,6 @@ def test_cuda_takes_the_triton_gemm_and_needs_flashinfer(monkeypatch: pytest.Mon
 
 def test_tiny_llama_on_the_triton_gemm_answers_alone_as_in_a_batch(tmp_path: Path) -> None:
     """The interpreter runs the deterministic kernels in the model (kiln's CPU attention around them)."""
-    pytest.importorskip("triton", reason="Triton is not installed (pip install triton)")
-    if (why := cpu_native.available()) is not None:
-        pytest.skip(f"kiln's CPU kernels cannot run here: {why}")
     build("llama", tmp_path)
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     options = {"dtype": "float32", "kv_cache_gib": 0.01, "mode": "eager", "device": "cpu"}

@@ -11,7 +11,6 @@ import functools
 import hashlib
 import logging
 import os
-import shutil
 import subprocess
 import tempfile
 import time
@@ -20,15 +19,11 @@ from pathlib import Path
 import torch
 
 from kiln.paths import cache_root
-from kiln.platform import describe
+from kiln.platform import cxx, describe
 
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("kernels.cpp")
-
-
-def _compiler() -> str | None:
-    return shutil.which(os.environ.get("CXX", "g++")) or shutil.which("clang++")
 
 
 def _command(cxx: str, out: Path) -> list[str]:
@@ -60,10 +55,10 @@ class BuildError(RuntimeError):
 @functools.cache
 def load() -> None:
     """Builds (first use on this machine) and loads the library; raises BuildError if it cannot."""
-    cxx = _compiler()
-    if cxx is None:
+    compiler = cxx()
+    if compiler is None:
         raise BuildError("no C++ compiler found (set CXX or install g++)")
-    folder = cache_root() / "cpu-kernels" / _key(cxx)
+    folder = cache_root() / "cpu-kernels" / _key(compiler)
     library = folder / "kernels.so"
     if not library.is_file():
         folder.mkdir(parents=True, exist_ok=True)
@@ -71,7 +66,7 @@ def load() -> None:
         clock = time.perf_counter()
         fd, tmp = tempfile.mkstemp(dir=folder, suffix=".so.tmp")
         os.close(fd)
-        result = subprocess.run(_command(cxx, Path(tmp)), capture_output=True, text=True)
+        result = subprocess.run(_command(compiler, Path(tmp)), capture_output=True, text=True)
         if result.returncode != 0:
             Path(tmp).unlink(missing_ok=True)
             raise BuildError(f"building {SOURCE.name} failed:\n{result.stderr[-4000:]}")
