@@ -1,8 +1,31 @@
 from __future__ import annotations
 
+from typing import Any
+
 import msgspec
 
 _GREEDY_EPS = 1e-5
+
+
+class StructuredOutputsParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """One constraint on a sequence's text, as vLLM names them: a JSON schema (`json`), any JSON object
+    (`json_object`), a regular expression, one of a list of strings (`choice`) or an EBNF `grammar`."""
+
+    json: str | dict[str, Any] | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False  # JSON without whitespace between its tokens
+
+    def __post_init__(self) -> None:
+        given = [k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None]
+        given += ["json_object"] if self.json_object else []
+        if len(given) != 1:
+            raise ValueError(
+                "structured_outputs needs exactly one of json, regex, choice, grammar and json_object, "
+                f"got {given or 'none'}"
+            )
 
 
 class SamplingParams(msgspec.Struct, kw_only=True):
@@ -27,6 +50,7 @@ class SamplingParams(msgspec.Struct, kw_only=True):
     skip_special_tokens: bool = True
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

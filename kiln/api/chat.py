@@ -24,6 +24,7 @@ from kiln.api.protocol import (
 )
 from kiln.api.serving import (
     ChoiceDelta,
+    constraint,
     final_outputs,
     merged,
     sampling_params,
@@ -31,6 +32,7 @@ from kiln.api.serving import (
     stream_response,
     usage,
 )
+from kiln.api.tool_calls import ToolCallStream, forced_call_schema
 from kiln.engine.async_engine import AsyncEngine
 from kiln.engine.engine import MAX_LOGPROBS
 from kiln.engine.request import PositionLogprobs
@@ -45,32 +47,39 @@ async def create_chat_completion(
     if body.top_logprobs is not None and not 0 <= body.top_logprobs <= MAX_LOGPROBS:
         raise APIError(400, f"top_logprobs must be in [0, {MAX_LOGPROBS}]", "top_logprobs")
     inputs.check_request(body)
-    ids = await inputs.chat_ids(body.messages, body.add_generation_prompt, body.chat_template_kwargs)
+    call_schema, call_name = forced_call_schema(body)
+    calls = call_schema is not None
+    so = await constraint(engine, inputs, body, call_schema)
+    # As vLLM: tool_choice "none" keeps the tools out of the prompt too.
+    tools = body.tools if calls else None
+    ids = await inputs.chat_ids(body.messages, body.add_generation_prompt, body.chat_template_kwargs, tools)
     k = (body.top_logprobs or 0) if body.logprobs else None
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-    params = sampling_params(body, len(ids), engine.max_model_len, max_tokens, k)
+    params = sampling_params(body, len(ids), engine.max_model_len, max_tokens, k, None, so)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     streams = start_all(engine, rid, [ids], [params])
     if body.stream:
         usage_chunk = None
         if body.stream_options is not None and body.stream_options.include_usage:
             usage_chunk = functools.partial(ChatCompletionChunk, id=rid, model=model)
-        return stream_response(merged(streams), 1, functools.partial(_chunks, rid, model, k), usage_chunk)
+        chunks = _Chunks(rid, model, k, calls, call_name)
+        return stream_response(merged(streams), 1, chunks, usage_chunk)
     outputs = await final_outputs(request, streams)
     if outputs is None:
         return None
     out = outputs[0]
-    choices = [
-        ChatChoice(
-            c.index,
-            AssistantMessage(c.text),
-            None if k is None else chat_logprobs(c.token_ids, c.logprobs or [], k),
-            c.finish_reason,
-            c.stop_reason,
-        )
-        for c in out.outputs
-    ]
+    choices = []
+    for c in out.outputs:
+        message = AssistantMessage(c.text)
+        if calls:
+            message = AssistantMessage(None, tool_calls=ToolCallStream(call_name).whole(c.text))
+        logprobs = None if k is None else chat_logprobs(c.token_ids, c.logprobs or [], k)
+        choices.append(ChatChoice(c.index, message, logprobs, _finish(c.finish_reason, calls), c.stop_reason))
     return ChatCompletionResponse(id=rid, model=model, choices=choices, usage=usage(outputs))
+
+
+def _finish(reason: str | None, calls: bool) -> str | None:
+    return "tool_calls" if calls and reason == "stop" else reason
 
 
 def chat_logprobs(ids: list[int], positions: list[PositionLogprobs], k: int) -> ChatLogprobs:
@@ -89,16 +98,31 @@ def chat_logprobs(ids: list[int], positions: list[PositionLogprobs], k: int) -> 
     return ChatLogprobs(content)
 
 
-def _chunks(rid: str, model: str, k: int | None, deltas: list[ChoiceDelta]) -> list[ChatCompletionChunk]:
-    out, choices = [], []
-    for d in deltas:
-        if d.first:  # as OpenAI: a chunk with the role alone opens each choice
-            role = ChatChunkChoice(d.index, Delta(role="assistant", content=""))
-            out.append(ChatCompletionChunk(id=rid, model=model, choices=[role]))
-        c = d.output
-        logprobs = None if k is None else chat_logprobs(c.token_ids, c.logprobs or [], k)
-        choices.append(
-            ChatChunkChoice(d.index, Delta(content=c.text), logprobs, c.finish_reason, c.stop_reason)
-        )
-    out.append(ChatCompletionChunk(id=rid, model=model, choices=choices))
-    return out
+class _Chunks:
+    """A stream's chunks: a role chunk to open each choice (as OpenAI), then its content, or its tool-call
+    deltas when a call is forced."""
+
+    def __init__(self, rid: str, model: str, k: int | None, calls: bool, call_name: str | None) -> None:
+        self.rid, self.model, self.k = rid, model, k
+        self.calls: dict[int, ToolCallStream] | None = {} if calls else None
+        self.call_name = call_name
+
+    def __call__(self, deltas: list[ChoiceDelta]) -> list[ChatCompletionChunk]:
+        out, choices = [], []
+        for d in deltas:
+            if d.first:
+                opening = Delta(role="assistant", content="" if self.calls is None else None)
+                out.append(self._chunk([ChatChunkChoice(d.index, opening)]))
+            c = d.output
+            logprobs = None if self.k is None else chat_logprobs(c.token_ids, c.logprobs or [], self.k)
+            delta = Delta(content=c.text)
+            if self.calls is not None:
+                stream = self.calls.setdefault(d.index, ToolCallStream(self.call_name))
+                delta = Delta(tool_calls=stream.feed(c.text) or None)
+            reason = _finish(c.finish_reason, self.calls is not None)
+            choices.append(ChatChunkChoice(d.index, delta, logprobs, reason, c.stop_reason))
+        out.append(self._chunk(choices))
+        return out
+
+    def _chunk(self, choices: list[ChatChunkChoice]) -> ChatCompletionChunk:
+        return ChatCompletionChunk(id=self.rid, model=self.model, choices=choices)

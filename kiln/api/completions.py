@@ -22,6 +22,7 @@ from kiln.api.protocol import (
 )
 from kiln.api.serving import (
     ChoiceDelta,
+    constraint,
     final_outputs,
     merged,
     sampling_params,
@@ -50,8 +51,9 @@ async def create_completion(
     prompt_only = body.echo and body.max_tokens == 0
     max_tokens = 1 if prompt_only else body.max_tokens
     echo_logprobs = body.logprobs if body.echo and body.logprobs is not None else None
+    so = await constraint(engine, inputs, body)
     params = [
-        sampling_params(body, len(p.ids), engine.max_model_len, max_tokens, body.logprobs, echo_logprobs)
+        sampling_params(body, len(p.ids), engine.max_model_len, max_tokens, body.logprobs, echo_logprobs, so)
         for p in prompts
     ]
     rid = f"cmpl-{uuid.uuid4().hex}"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import re
 from http import HTTPStatus
 
 import msgspec
@@ -25,6 +26,7 @@ ERROR_TYPES = {
 }
 
 _encoder = msgspec.json.Encoder()
+_UNKNOWN = re.compile(r"Object contains unknown field `(.*)`")
 
 
 class APIError(Exception):
@@ -49,8 +51,14 @@ def bad_request(error: ValueError) -> APIError:
     if isinstance(error, msgspec.DecodeError) and not isinstance(error, msgspec.ValidationError):
         return APIError(400, f"the request body is not valid JSON: {message}")
     if isinstance(error, msgspec.ValidationError):
-        _, _, where = message.partition(" - at `$.")
+        what, _, where = message.partition(" - at `$.")
         param = where.rstrip("`").split("[")[0].split(".")[0] or None
+        unknown = _UNKNOWN.fullmatch(what)
+        if unknown is not None:  # a field kiln does not implement: a 400 that names it, never silence
+            name = unknown[1]
+            place = f" in `{where.rstrip('`')}`" if where else ""
+            message = f"unsupported field `{name}`{place}: kiln does not implement it"
+            return APIError(400, message, param or name)
     else:
         first = message.split(" ", 1)[0]
         param = first if first in SamplingParams.__struct_fields__ else None

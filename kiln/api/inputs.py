@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 import msgspec
 
 from kiln.api.errors import APIError
-from kiln.api.protocol import ChatMessage, CompletionRequest, _SamplingRequest
+from kiln.api.protocol import ChatMessage, CompletionRequest, Tool, _SamplingRequest
 from kiln.config import ServerConfig
 from kiln.engine.chat_template import render_chat
 
@@ -130,14 +130,19 @@ class Inputs:
         messages: list[ChatMessage],
         add_generation_prompt: bool = True,
         chat_template_kwargs: dict[str, Any] | None = None,
+        tools: list[Tool] | None = None,
     ) -> list[int]:
-        return await self.run(self._chat_ids, messages, add_generation_prompt, chat_template_kwargs)
+        return await self.run(self._chat_ids, messages, add_generation_prompt, chat_template_kwargs, tools)
 
     def _chat_ids(
-        self, messages: list[ChatMessage], add_generation_prompt: bool, kwargs: dict[str, Any] | None
+        self,
+        messages: list[ChatMessage],
+        add_generation_prompt: bool,
+        kwargs: dict[str, Any] | None,
+        tools: list[Tool] | None,
     ) -> list[int]:
         self._check_chars(sum(_content_chars(m) for m in messages), "messages")
-        return render_messages(self.tokenizer, messages, add_generation_prompt, kwargs)
+        return render_messages(self.tokenizer, messages, add_generation_prompt, kwargs, tools)
 
     async def tokenize(self, text: str, add_special_tokens: bool) -> list[int]:
         self._check_chars(len(text), "prompt")
@@ -174,6 +179,7 @@ def render_messages(
     messages: list[ChatMessage],
     add_generation_prompt: bool = True,
     chat_template_kwargs: dict[str, Any] | None = None,
+    tools: list[Tool] | None = None,
 ) -> list[int]:
     """The request's messages (text content parts joined) through the model's chat template. The
     template's variables may come from the request, but never the template itself or the call's own
@@ -195,9 +201,15 @@ def render_messages(
                 if part.text is None:
                     raise APIError(400, f"{where}: a text part needs its `text`", "messages")
             content = "".join(part.text or "" for part in content)
-        plain.append({"role": m.role, "content": content or ""})
+        message: dict[str, Any] = {"role": m.role, "content": content or ""}
+        if m.tool_calls:
+            message["tool_calls"] = msgspec.to_builtins(m.tool_calls)
+        if m.tool_call_id is not None:
+            message["tool_call_id"] = m.tool_call_id
+        plain.append(message)
+    defs = None if tools is None else msgspec.to_builtins(tools)
     try:
-        return render_chat(tokenizer, plain, add_generation_prompt, chat_template_kwargs)
+        return render_chat(tokenizer, plain, add_generation_prompt, chat_template_kwargs, defs)
     except ValueError as e:
         raise APIError(400, str(e), "messages") from None
 

@@ -1,5 +1,6 @@
 """Request and response bodies of the OpenAI API (plus vLLM's extra fields), as msgspec Structs.
-Requests ignore unknown fields and reject wrong types; responses encode straight to JSON."""
+Requests refuse unknown fields and wrong types (a field kiln does not implement is a 400 that names it,
+never silence); responses encode straight to JSON."""
 
 from __future__ import annotations
 
@@ -8,14 +9,32 @@ from typing import Any, Literal
 
 import msgspec
 
+from kiln.sampling_params import StructuredOutputsParams
+
 # -- requests --------------------------------------------------------------------------------------
 
 
-class StreamOptions(msgspec.Struct):
+class _Strict(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    pass
+
+
+class StreamOptions(_Strict):
     include_usage: bool = False
 
 
-class _SamplingRequest(msgspec.Struct, kw_only=True):
+class JsonSchemaFormat(_Strict):
+    name: str
+    description: str | None = None
+    schema: dict[str, Any] | None = None  # none: any JSON object
+    strict: bool | None = None  # kiln always holds the output to the schema
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class _SamplingRequest(_Strict):
     """Fields shared by completions and chat: OpenAI's, then vLLM's extras."""
 
     model: str | None = None
@@ -29,7 +48,9 @@ class _SamplingRequest(msgspec.Struct, kw_only=True):
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    user: str | None = None
+    user: str | None = None  # informational, as is metadata
+    metadata: dict[str, str] | None = None
+    response_format: ResponseFormat | None = None
     top_k: int | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
@@ -38,6 +59,7 @@ class _SamplingRequest(msgspec.Struct, kw_only=True):
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    structured_outputs: StructuredOutputsParams | None = None
 
 
 class CompletionRequest(_SamplingRequest, kw_only=True):
@@ -49,15 +71,49 @@ class CompletionRequest(_SamplingRequest, kw_only=True):
     suffix: str | None = None
 
 
-class TextPart(msgspec.Struct):
+class TextPart(_Strict):
     type: str
     text: str | None = None
 
 
-class ChatMessage(msgspec.Struct):
+class FunctionCall(msgspec.Struct, forbid_unknown_fields=True):
+    name: str
+    arguments: str  # JSON, as the model wrote it
+
+
+class ToolCall(msgspec.Struct, forbid_unknown_fields=True):
+    id: str
+    function: FunctionCall
+    type: Literal["function"] = "function"
+
+
+class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool's answer to one
+
+
+class FunctionDefinition(_Strict):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema; none: no arguments
+    strict: bool | None = None  # kiln always holds a forced call to the schema
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: FunctionName
 
 
 class ChatCompletionRequest(_SamplingRequest, kw_only=True):
@@ -68,6 +124,9 @@ class ChatCompletionRequest(_SamplingRequest, kw_only=True):
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
 
 
 class TokenizeRequest(msgspec.Struct, kw_only=True):
@@ -138,8 +197,9 @@ class ChatLogprobs(msgspec.Struct):
 
 
 class AssistantMessage(msgspec.Struct):
-    content: str
+    content: str | None
     role: str = "assistant"
+    tool_calls: list[ToolCall] = msgspec.field(default_factory=list)
 
 
 class ChatChoice(msgspec.Struct):
@@ -159,9 +219,22 @@ class ChatCompletionResponse(msgspec.Struct, kw_only=True):
     created: int = msgspec.field(default_factory=_now)
 
 
+class DeltaFunction(msgspec.Struct, omit_defaults=True):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(msgspec.Struct, omit_defaults=True):
+    index: int
+    function: DeltaFunction
+    id: str | None = None
+    type: Literal["function"] | None = None
+
+
 class Delta(msgspec.Struct, omit_defaults=True):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatChunkChoice(msgspec.Struct):

@@ -7,16 +7,18 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from typing import Any
 
 import msgspec
 from starlette.requests import Request
 from starlette.responses import StreamingResponse
 
 from kiln.api.errors import APIError, as_api_error
+from kiln.api.inputs import Inputs
 from kiln.api.protocol import Usage, _SamplingRequest
 from kiln.engine.async_engine import AsyncEngine, RequestStream
 from kiln.engine.output import CompletionOutput, RequestOutput, merge
-from kiln.sampling_params import SamplingParams
+from kiln.sampling_params import SamplingParams, StructuredOutputsParams
 
 log = logging.getLogger(__name__)
 
@@ -30,6 +32,7 @@ def sampling_params(
     max_tokens: int | None,
     logprobs: int | None,
     prompt_logprobs: int | None = None,
+    structured_outputs: StructuredOutputsParams | None = None,
 ) -> SamplingParams:
     """OpenAI fields (None means the OpenAI default) to SamplingParams; a prompt plus max_tokens that
     would not fit in the model's context is a 400, as in vLLM."""
@@ -71,8 +74,48 @@ def sampling_params(
         skip_special_tokens=body.skip_special_tokens,
         logprobs=logprobs,
         prompt_logprobs=prompt_logprobs,
+        structured_outputs=structured_outputs,
         **{k: v for k, v in optional.items() if v is not None},
     )
+
+
+async def constraint(
+    engine: AsyncEngine,
+    inputs: Inputs,
+    body: _SamplingRequest,
+    forced_call: dict[str, Any] | None = None,
+) -> StructuredOutputsParams | None:
+    """What the request constrains its output to: response_format, vLLM's structured_outputs, or a forced
+    tool call's schema (at most one). Parsed here, on the inputs worker when the body is large, so a bad
+    constraint is a 400 naming its field before anything is queued."""
+    asked: list[tuple[str, StructuredOutputsParams]] = []
+    fmt = body.response_format
+    if fmt is not None and fmt.type != "text":
+        if fmt.type == "json_schema" and fmt.json_schema is None:
+            raise APIError(
+                400, 'response_format of type "json_schema" needs its json_schema', "response_format"
+            )
+        schema = fmt.json_schema.schema if fmt.json_schema is not None else None
+        so = (
+            StructuredOutputsParams(json=schema)
+            if schema is not None
+            else StructuredOutputsParams(json_object=True)
+        )
+        asked.append(("response_format", so))
+    if body.structured_outputs is not None:
+        asked.append(("structured_outputs", body.structured_outputs))
+    if forced_call is not None:
+        asked.append(("tool_choice", StructuredOutputsParams(json=forced_call)))
+    if len(asked) > 1:
+        raise APIError(400, f"give only one constraint, not {' and '.join(k for k, _ in asked)}", asked[1][0])
+    if not asked:
+        return None
+    field, so = asked[0]
+    try:
+        await inputs.run(engine.check_constraint, so)
+    except ValueError as e:
+        raise APIError(400, str(e), field) from None
+    return so
 
 
 def start_all(

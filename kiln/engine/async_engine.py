@@ -17,7 +17,7 @@ from kiln.config import EngineConfig
 from kiln.engine.engine import LLMEngine, load_tokenizer
 from kiln.engine.metrics import Metrics
 from kiln.engine.output import RequestOutput, merge
-from kiln.sampling_params import SamplingParams
+from kiln.sampling_params import SamplingParams, StructuredOutputsParams
 
 log = logging.getLogger(__name__)
 
@@ -128,6 +128,10 @@ class AsyncEngine:
         self._streams[request_id] = stream
         self._commands.put(_Add(request_id, prompt_ids, params))
         return stream
+
+    def check_constraint(self, params: StructuredOutputsParams) -> None:
+        """Parses a constraint (thread-safe, cached): ValueError if it is bad."""
+        self.engine.grammars.check(params)
 
     def abort(self, request_id: str) -> None:
         if self._streams.pop(request_id, None) is not None:

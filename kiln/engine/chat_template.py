@@ -10,8 +10,10 @@ def render_chat(
     messages: list[dict[str, Any]],
     add_generation_prompt: bool = True,
     chat_template_kwargs: dict[str, Any] | None = None,
+    tools: list[dict[str, Any]] | None = None,
 ) -> list[int]:
-    """Raises ValueError for empty messages, a model without a template, or messages it refuses."""
+    """Raises ValueError for empty messages, a model without a template, or messages it refuses. tools:
+    OpenAI's tool definitions, for a template that shows them to the model."""
     if not messages:
         raise ValueError("messages must not be empty")
     if tokenizer.chat_template is None:
@@ -22,6 +24,7 @@ def render_chat(
             add_generation_prompt=add_generation_prompt,
             tokenize=True,
             return_dict=False,
+            tools=tools,
             **(chat_template_kwargs or {}),
         )
     except Exception as e:  # jinja raises for conversations the template refuses

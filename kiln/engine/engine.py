@@ -16,6 +16,7 @@ from kiln.compile.lowering import BucketReport
 from kiln.config import EngineConfig
 from kiln.engine.block_manager import BlockManager
 from kiln.engine.detokenizer import IncrementalDetokenizer, SequenceText
+from kiln.engine.grammar import Grammars
 from kiln.engine.memory import kv_cache_blocks
 from kiln.engine.output import OutputProcessor, Parent, RequestOutput
 from kiln.engine.request import Request
@@ -66,7 +67,9 @@ class LLMEngine:
         self.timings["tokenizer"] = time.perf_counter() - clock
         clock = time.perf_counter()
         self.model_path = path
-        self.runner = ModelRunner(self.model, config, self.max_model_len, self.backend)
+        self.eos_token_ids = self._eos_ids(path)
+        self.grammars = Grammars(lambda: load_tokenizer(config, path), dims.vocab_size, self.eos_token_ids)
+        self.runner = ModelRunner(self.model, config, self.max_model_len, self.backend, self.grammars)
         self.timings["KV cache"] = time.perf_counter() - clock
         num_blocks = kv_cache_blocks(config, self.runner, self.max_model_len, self.timings)
         clock = time.perf_counter()
@@ -75,7 +78,6 @@ class LLMEngine:
             num_blocks, config.cache.block_size, config.cache.enable_prefix_caching
         )
         self.scheduler = Scheduler(config.scheduler, self.block_manager)
-        self.eos_token_ids = self._eos_ids(path)
         self.output = OutputProcessor(
             self.tokenizer, self.eos_token_ids, self.max_model_len, self.scheduler.finish
         )
@@ -153,6 +155,8 @@ class LLMEngine:
             bad = [t for t in getattr(params, name) or () if not 0 <= t < vocab]
             if bad:
                 raise ValueError(f"{name} token ids must be in [0, {vocab}), got {bad[:4]}")
+        if params.structured_outputs is not None:
+            self.grammars.check(params.structured_outputs)
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> None:
         """Validates, then queues; raises ValueError (and queues nothing) for a bad prompt or params."""
@@ -199,6 +203,7 @@ class LLMEngine:
             generator=generator,
             min_tokens_banned=banned,
             stop_ids=frozenset(p.stop_token_ids),
+            grammar=None if p.structured_outputs is None else self.grammars.start(p.structured_outputs),
             logprobs=[] if p.logprobs is not None else None,
             prompt_logprobs=[None] if p.prompt_logprobs is not None else None,
         )
@@ -219,7 +224,8 @@ class LLMEngine:
         """One engine step: schedule, execute, then the outputs of the requests it advanced (deltas; with
         final_only, only the whole outputs of requests it finished)."""
         batch = self.scheduler.schedule()
-        if not batch.requests:
+        if not batch.requests:  # every waiting request waits for its grammar
+            self.grammars.wait(timeout=0.05)
             return []
         result = self.runner.execute(batch)
         for req, n in zip(batch.requests, batch.num_new_tokens, strict=True):
@@ -235,4 +241,5 @@ class LLMEngine:
             "prefix_cache_queries": self.block_manager.prefix_queries,
             "prefix_cache_hits": self.block_manager.prefix_hits,
             "preemptions": self.scheduler.num_preemptions,
+            "grammars": self.grammars.stats,
         }

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
+
+from kiln.engine.grammar import COMPILE_BUCKETS
 
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1, 2.5, 5, 10, 20, 40, 80)
 ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1, 2.5, 5, 10, 20, 40)
@@ -39,6 +42,21 @@ class _EngineState(Collector):
             metric = family(f"kiln:{name}", doc, labels=["model_name"])
             metric.add_metric([self.model_name], s[key])
             yield metric
+        g = s["grammars"]
+        for name, doc, value in (
+            ("grammar_cache_hits", "Constrained requests whose grammar was compiled already.", g.hits),
+            ("grammar_cache_misses", "Constrained requests whose grammar had to be compiled.", g.misses),
+        ):
+            counter = CounterMetricFamily(f"kiln:{name}", doc, labels=["model_name"])
+            counter.add_metric([self.model_name], value)
+            yield counter
+        histogram = HistogramMetricFamily(
+            "kiln:grammar_compile_seconds", "Time to compile a grammar.", labels=["model_name"]
+        )
+        cumulative = list(itertools.accumulate(g.compile_buckets))
+        bounds = [str(b) for b in COMPILE_BUCKETS] + ["+Inf"]
+        histogram.add_metric([self.model_name], list(zip(bounds, cumulative, strict=True)), g.compile_seconds)
+        yield histogram
 
 
 class Metrics:

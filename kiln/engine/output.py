@@ -5,12 +5,15 @@ here is proportional to the tokens it produced, never to a request's history."""
 from __future__ import annotations
 
 import itertools
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from kiln.engine.request import Logprob, PositionLogprobs, Request
 from kiln.engine.runner import StepResult
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -179,6 +182,13 @@ class OutputProcessor:
             )
         advanced: dict[str, list[Request]] = {}
         for i, (req, token) in enumerate(zip(result.sampled, tokens, strict=True)):
+            if req.grammar is not None and (req.grammar.failed or not req.grammar.accept(token)):
+                log.error("request %s: its grammar failed; it ends as aborted", req.request_id)
+                req.finish_reason = "abort"
+                req.text.settle(final=True)
+                self.finish(req)
+                advanced.setdefault(req.parent_id, []).append(req)
+                continue
             req.token_ids.append(token)
             if req.logprobs is not None:
                 req.logprobs.append(rows[i])

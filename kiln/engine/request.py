@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kiln.engine.detokenizer import SequenceText
+from kiln.engine.grammar import SequenceGrammar
 from kiln.sampling_params import SamplingParams
 
 
@@ -41,6 +42,7 @@ class Request:
     generator: torch.Generator | None = None
     min_tokens_banned: list[int] = field(default_factory=list)  # EOS and stop ids, until min_tokens
     stop_ids: frozenset[int] = frozenset()  # params.stop_token_ids, checked against every output token
+    grammar: SequenceGrammar | None = None  # params.structured_outputs, compiled
     status: Status = Status.WAITING
     num_computed_tokens: int = 0
     num_cached_tokens: int = -1  # prompt tokens served from the prefix cache at first admission

@@ -15,6 +15,7 @@ from kiln.compile.buckets import Bucket, BucketPlan
 from kiln.compile.buffers import StepBuffers
 from kiln.compile.lowering import BucketReport, Lowering
 from kiln.config import EngineConfig
+from kiln.engine.grammar import Grammars
 from kiln.engine.request import Request
 from kiln.engine.scheduler import ScheduledBatch
 from kiln.engine.token_counts import TokenCounts
@@ -49,10 +50,13 @@ class ModelRunner:
         config: EngineConfig,
         max_model_len: int,
         backend: Backend = TORCH_BACKEND,
+        grammars: Grammars | None = None,
     ) -> None:
         """The model comes built with the backend's kernels and attention; the KV cache comes later
-        (allocate_kv): on a GPU it is sized by profiling this runner's steps."""
+        (allocate_kv): on a GPU it is sized by profiling this runner's steps. grammars: where the
+        constrained rows' token bitmasks come from."""
         self.model = model
+        self.grammars = grammars
         self.device = model.embed.weight.device
         self.dtype = model.embed.weight.dtype
         self.block_size = config.cache.block_size
@@ -108,6 +112,7 @@ class ModelRunner:
         if not sampling:
             return StepResult([], None, prompt_logprobs)
         sampled = [reqs[i] for i in sampling]
+        allowed = self._allowed(sampled)  # on the CPU, while a GPU runs the forward
         logits = self.model.compute_logits(hidden[self._tensor(cu[1:][sampling] - 1)])
         meta = SamplingMetadata.build(
             [r.params for r in sampled],
@@ -116,10 +121,20 @@ class ModelRunner:
             logits.shape[-1],
             self.device,
             self.token_counts.penalties(sampled),
+            allowed,
         )
         out = self.sampler(logits, meta)
         self.token_counts.update(out.token_ids)
         return StepResult(sampled, out, prompt_logprobs)
+
+    def _allowed(self, sampled: list[Request]) -> tuple[torch.Tensor, list[int]] | None:
+        """The token bitmask of the rows under a grammar, and which rows those are."""
+        rows = [i for i, r in enumerate(sampled) if r.grammar is not None and r.grammar.active]
+        if not rows:
+            return None
+        assert self.grammars is not None
+        grammars = [g for i in rows if (g := sampled[i].grammar) is not None]
+        return self.grammars.bitmask(grammars, rows, len(sampled)), rows
 
     def _forward(self, num_tokens: int, num_reqs: int, decode_only: bool) -> torch.Tensor:
         """Runs the model on the first num_tokens/num_reqs entries of the staging buffers."""

@@ -60,11 +60,16 @@ class Scheduler:
                 batch.num_new_tokens.append(num_new)
                 budget -= num_new
                 i += 1
-        # After a preemption there is no room to spare: admitting would only thrash.
+        # After a preemption there is no room to spare: admitting would only thrash. A request whose
+        # grammar is still compiling keeps its place in the queue while those behind it go ahead.
+        compiling: list[Request] = []
         while (
             self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not batch.num_preempted
         ):
             req = self.waiting[0]
+            if req.grammar is not None and not req.grammar.ready:
+                compiling.append(self.waiting.popleft())
+                continue
             if req.num_computed_tokens == 0:
                 req.num_computed_tokens = self.block_manager.match_prefix(req)
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
@@ -80,6 +85,7 @@ class Scheduler:
             batch.requests.append(req)
             batch.num_new_tokens.append(num_new)
             budget -= num_new
+        self.waiting.extendleft(reversed(compiling))
         return batch
 
     def _preempt(self, req: Request) -> None:

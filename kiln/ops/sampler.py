@@ -76,6 +76,7 @@ class SamplingMetadata:
     generators: dict[int, torch.Generator]  # row -> its own generator, for seeded random rows only
     want_logprobs: bool  # some row asked for logprobs, possibly 0 (the sampled token's only)
     max_logprobs: int  # max over rows of params.logprobs (0 when none asked)
+    allowed: tuple[torch.Tensor, list[int]] | None = None  # (token bitmask [B, V/32] int32, its rows)
 
     @classmethod
     def build(
@@ -86,8 +87,10 @@ class SamplingMetadata:
         vocab_size: int,
         device: torch.device,
         penalties: Penalties | None = None,
+        allowed: tuple[torch.Tensor, list[int]] | None = None,
     ) -> SamplingMetadata:
-        """penalties: the rows' token histories, needed when some row uses a penalty."""
+        """penalties: the rows' token histories, needed when some row uses a penalty; allowed: the
+        structured-output rows' token bitmask (kiln.engine.grammar)."""
         greedy = [p.greedy for p in params]
 
         # Greedy rows never reach the filters: they count as off, so they don't trigger that work.
@@ -131,6 +134,7 @@ class SamplingMetadata:
             generators={row: g for row, g in enumerate(generators) if g is not None and not greedy[row]},
             want_logprobs=any(p.logprobs is not None for p in params),
             max_logprobs=max((p.logprobs or 0 for p in params), default=0),
+            allowed=allowed,
         )
 
 
@@ -163,7 +167,10 @@ class Sampler:
         self.draw = draw or draw_tokens
 
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
-        # The prepared logits are a copy: the caller owns the logits, and logprobs come from the raw ones.
+        """logits: the step's own (a grammar masks them in place, so logprobs see only allowed tokens, as
+        in vLLM); the rest works on a copy, and logprobs come from the logits before it."""
+        if meta.allowed is not None:
+            apply_bitmask(logits, *meta.allowed)
         processed = self.prepare(logits, meta)
         token_ids = processed.argmax(dim=-1)
         if not meta.all_greedy:
@@ -171,6 +178,14 @@ class Sampler:
         if not meta.want_logprobs:
             return SamplerOutput(token_ids, None, None, None)
         return SamplerOutput(token_ids, *compute_logprobs(logits, token_ids, meta.max_logprobs))
+
+
+def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
+    """-inf, in place, on the given rows' tokens whose bit is clear: xgrammar's kernel for the device
+    (its CPU kernel, or Triton on CUDA)."""
+    import xgrammar as xgr  # only once some request is constrained
+
+    xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device, non_blocking=True), indices=rows)
 
 
 def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,273 @@
+"""Structured output with xgrammar: a constraint (StructuredOutputsParams) is checked when a request
+arrives, compiled against the tokenizer on a thread of its own (never on the step loop), and kept in an
+LRU cache; each sequence then has a matcher, which fills its row of a step's token bitmask and advances
+by the tokens it samples."""
+
+from __future__ import annotations
+
+import bisect
+import concurrent.futures
+import json
+import logging
+import re
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from kiln.sampling_params import StructuredOutputsParams
+
+if TYPE_CHECKING:
+    import xgrammar as xgr
+
+log = logging.getLogger(__name__)
+
+CACHE_ENTRIES = 128  # compiled grammars kept; SmolLM2's are tens of kB to a few MB each
+COMPILE_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+# Keywords xgrammar accepts but does not enforce: a schema using them would be obeyed only in part.
+_UNENFORCED = {
+    "number": ("multipleOf",),
+    "integer": ("multipleOf",),
+    "array": ("uniqueItems", "contains", "minContains", "maxContains"),
+    "object": ("propertyNames", "dependentRequired", "dependentSchemas"),
+}
+_STRING_FORMATS = {
+    "email", "date", "time", "date-time", "duration", "ipv4", "ipv6", "hostname", "uuid", "uri",
+    "uri-reference", "uri-template", "json-pointer", "relative-json-pointer",
+}  # fmt: skip
+_XGR_PREFIX = re.compile(r"^\[[\d:]+\] \S+: ")  # "[08:50:55] /project/cpp/x.cc:83: " before its message
+
+
+@dataclass(slots=True, frozen=True)
+class Constraint:
+    """A constraint in the one form the cache keys on: its kind and its text (a schema as canonical JSON,
+    a choice as the EBNF grammar it becomes)."""
+
+    kind: str  # "json", "regex" or "grammar"
+    text: str
+    any_whitespace: bool = True
+
+    @classmethod
+    def of(cls, params: StructuredOutputsParams) -> Constraint:
+        ws = not params.disable_any_whitespace
+        if params.json_object:
+            return cls("json", '{"type": "object"}', ws)
+        if params.json is not None:
+            schema = params.json
+            if isinstance(schema, str):
+                try:
+                    schema = json.loads(schema)
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"structured_outputs.json is not valid JSON: {e}") from None
+            if not isinstance(schema, dict):
+                raise ValueError("structured_outputs.json must be a JSON schema object")
+            _check_enforceable(schema)
+            return cls("json", json.dumps(schema, ensure_ascii=False), ws)
+        if params.regex is not None:
+            if "\x00" in params.regex:
+                raise ValueError("structured_outputs.regex must not contain a NUL character")
+            return cls("regex", params.regex)
+        if params.choice is not None:
+            if not params.choice or not all(params.choice):
+                raise ValueError("structured_outputs.choice must be a list of non-empty strings")
+            alternatives = " | ".join(json.dumps(c, ensure_ascii=False) for c in params.choice)
+            return cls("grammar", f"root ::= {alternatives}")
+        assert params.grammar is not None
+        return cls("grammar", params.grammar)
+
+
+def _check_enforceable(schema: Any, where: str = "#") -> None:
+    """A 400 for what the grammar would silently leave out, rather than output that breaks the schema."""
+    if isinstance(schema, list):
+        for i, item in enumerate(schema):
+            _check_enforceable(item, f"{where}/{i}")
+        return
+    if not isinstance(schema, dict):
+        return
+    types = schema.get("type")
+    types = {types} if isinstance(types, str) else set(types) if isinstance(types, list) else set()
+    for kind in types & _UNENFORCED.keys():
+        for key in _UNENFORCED[kind]:
+            if key in schema:
+                raise ValueError(f"JSON schema keyword {key!r} at {where} is not supported")
+    fmt = schema.get("format")
+    if "string" in types and fmt is not None and fmt not in _STRING_FORMATS:
+        raise ValueError(f"JSON schema string format {fmt!r} at {where} is not supported")
+    if "string" in types and ("pattern" in schema or fmt) and ({"minLength", "maxLength"} & schema.keys()):
+        raise ValueError(f"JSON schema at {where}: a string with both a pattern/format and a length bound")
+    for key, value in schema.items():
+        if isinstance(value, dict | list) and key not in ("enum", "const", "default", "examples"):
+            _check_enforceable(value, f"{where}/{key}")
+
+
+def _xgr_message(error: Exception) -> str:
+    return _XGR_PREFIX.sub("", str(error).strip()).strip()
+
+
+@dataclass(slots=True, eq=False)
+class SequenceGrammar:
+    """One sequence's place in its grammar. The matcher is made once the grammar has compiled."""
+
+    compiled: Future[xgr.CompiledGrammar]
+    matcher: xgr.GrammarMatcher | None = None
+    failed: bool = False  # compiling failed, or a sampled token broke the grammar
+
+    @property
+    def ready(self) -> bool:
+        return self.compiled.done()
+
+    @property
+    def active(self) -> bool:
+        """Constrains this step's token: compiled, and not yet at its end (after which the sequence is free,
+        as with ignore_eos)."""
+        if self.failed:
+            return False
+        if self.matcher is None:
+            import xgrammar as xgr
+
+            try:
+                self.matcher = xgr.GrammarMatcher(self.compiled.result())
+            except Exception:
+                log.exception("a grammar failed to compile")
+                self.failed = True
+                return False
+        return not self.matcher.is_terminated()
+
+    def accept(self, token: int) -> bool:
+        if self.matcher is None or self.matcher.is_terminated():
+            return True
+        if self.matcher.accept_token(token):
+            return True
+        self.failed = True
+        return False
+
+
+@dataclass(slots=True)
+class _Entry:
+    grammar: xgr.Grammar
+    compiled: Future[xgr.CompiledGrammar] | None = None
+
+
+@dataclass(slots=True)
+class GrammarStats:
+    hits: int = 0
+    misses: int = 0
+    compile_buckets: list[int] = field(default_factory=lambda: [0] * (len(COMPILE_BUCKETS) + 1))
+    compile_seconds: float = 0.0
+
+    def observe(self, seconds: float) -> None:
+        self.compile_buckets[bisect.bisect_left(COMPILE_BUCKETS, seconds)] += 1
+        self.compile_seconds += seconds
+
+
+class Grammars:
+    """The engine's constraints: `check` on any thread when a request arrives (parsing only: a bad
+    constraint is a ValueError before anything is queued), `start` on the engine's thread when it is
+    queued (compiling on the grammar thread), `bitmask` for each step's constrained rows. xgrammar is
+    imported, and its view of the tokenizer built, on the grammar thread, so a server that never sees a
+    constraint never pays for them."""
+
+    def __init__(self, load_tokenizer: Callable[[], Any], vocab_size: int, stop_ids: set[int]) -> None:
+        self.vocab_size = vocab_size
+        self.stats = GrammarStats()
+        self._lock = threading.Lock()
+        self._entries: OrderedDict[Constraint, _Entry] = OrderedDict()
+        self._pending: set[Future[Any]] = set()
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="kiln-grammar")
+        self._compiler: Future[xgr.GrammarCompiler] | None = None
+        self._load_tokenizer, self._stop_ids = load_tokenizer, sorted(stop_ids)
+        self._bitmask: torch.Tensor | None = None  # the engine thread's, reused every step
+        self._batch: xgr.BatchGrammarMatcher | None = None
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def check(self, params: StructuredOutputsParams) -> Constraint:
+        """Parses the constraint (cached); raises ValueError naming what is wrong with it."""
+        constraint = Constraint.of(params)
+        self._entry(constraint)
+        return constraint
+
+    def _entry(self, c: Constraint) -> _Entry:
+        with self._lock:
+            entry = self._entries.get(c)
+            if entry is not None:
+                self._entries.move_to_end(c)
+                return entry
+        import xgrammar as xgr
+
+        try:
+            if c.kind == "json":
+                grammar = xgr.Grammar.from_json_schema(c.text, any_whitespace=c.any_whitespace)
+            elif c.kind == "regex":
+                grammar = xgr.Grammar.from_regex(c.text)
+            else:
+                grammar = xgr.Grammar.from_ebnf(c.text)
+        except Exception as e:  # xgrammar raises RuntimeError with the parser's message
+            what = {"json": "JSON schema", "regex": "regex", "grammar": "grammar"}[c.kind]
+            raise ValueError(f"invalid {what} for structured output: {_xgr_message(e)}") from None
+        with self._lock:
+            entry = self._entries.setdefault(c, _Entry(grammar))
+            self._entries.move_to_end(c)
+            while len(self._entries) > CACHE_ENTRIES:
+                self._entries.popitem(last=False)
+            return entry
+
+    def start(self, params: StructuredOutputsParams) -> SequenceGrammar:
+        """The sequence's grammar: compiled once per distinct constraint, then shared from the cache."""
+        entry = self._entry(Constraint.of(params))
+        with self._lock:
+            if entry.compiled is None:
+                self.stats.misses += 1
+                if self._compiler is None:
+                    self._compiler = self._pool.submit(self._make_compiler)
+                entry.compiled = self._pool.submit(self._compile, entry.grammar)
+                self._pending.add(entry.compiled)
+                entry.compiled.add_done_callback(self._pending.discard)
+            else:
+                self.stats.hits += 1
+            return SequenceGrammar(entry.compiled)
+
+    def _make_compiler(self) -> xgr.GrammarCompiler:
+        import xgrammar as xgr
+
+        info = xgr.TokenizerInfo.from_huggingface(
+            self._load_tokenizer(), vocab_size=self.vocab_size, stop_token_ids=self._stop_ids
+        )
+        return xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)  # kiln's cache is the LRU
+
+    def _compile(self, grammar: xgr.Grammar) -> xgr.CompiledGrammar:
+        assert self._compiler is not None
+        compiler = self._compiler.result()
+        clock = time.perf_counter()
+        compiled = compiler.compile_grammar(grammar)
+        seconds = time.perf_counter() - clock
+        self.stats.observe(seconds)
+        log.debug("compiled a grammar in %.3f s", seconds)
+        return compiled
+
+    def wait(self, timeout: float) -> None:
+        """Until a grammar being compiled is ready, or timeout: what the step loop does when every
+        waiting request waits for one."""
+        with self._lock:
+            pending = list(self._pending)
+        if pending:
+            concurrent.futures.wait(pending, timeout, concurrent.futures.FIRST_COMPLETED)
+
+    def bitmask(self, grammars: list[SequenceGrammar], rows: list[int], num_rows: int) -> torch.Tensor:
+        """[num_rows, ceil(vocab / 32)] int32 on the CPU, with the given rows filled (a set bit allows
+        the token); the other rows are left as they are and must not be applied."""
+        import xgrammar as xgr
+
+        if self._bitmask is None or len(self._bitmask) < num_rows:
+            self._bitmask = xgr.allocate_token_bitmask(max(num_rows, 16), self.vocab_size)
+            self._batch = xgr.BatchGrammarMatcher(max_threads=1)
+        assert self._batch is not None
+        self._batch.batch_fill_next_token_bitmask([g.matcher for g in grammars], self._bitmask, rows)
+        return self._bitmask[:num_rows]
