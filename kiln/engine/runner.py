@@ -22,7 +22,14 @@ from kiln.engine.token_counts import TokenCounts
 from kiln.models.decoder import DecoderModel
 from kiln.ops.attention import AttnMetadata, StepLayout
 from kiln.ops.backend import TORCH_BACKEND, Backend
-from kiln.ops.sampler import Penalties, Sampler, SamplerOutput, SamplingMetadata, compute_logprobs
+from kiln.ops.sampler import (
+    Penalties,
+    Sampler,
+    SamplerOutput,
+    SamplingMetadata,
+    apply_bitmask,
+    compute_logprobs,
+)
 from kiln.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -246,6 +253,9 @@ class ModelRunner:
             penalties = Penalties.from_ids([p] * 2, [[0]] * 2, [[]] * 2, vocab, self.device)
             meta = SamplingMetadata.build([p] * 2, [None] * 2, ban, vocab, self.device, penalties)
             throwaway(torch.zeros(2, vocab, device=self.device), meta)
+        if self.device.type == "cuda":  # xgrammar's bitmask kernel is Triton, built on first use
+            allowed = torch.full((2, (vocab + 31) // 32), -1, dtype=torch.int32)
+            apply_bitmask(torch.zeros(2, vocab, device=self.device), allowed, [0])
 
     def _prompt_logprobs(
         self,

@@ -21,6 +21,9 @@ def cmd_run(args: argparse.Namespace) -> int:
         if args.offline:
             from kiln.perf.offline import run_offline
 
+            if spec.extra_body:
+                raise ConfigError(f"{args.spec}: extra_body is sent over HTTP only; drop --offline")
+
             overrides = {"model": {"model": args.model}} if args.model else {}
             config = load_serve_config(args.config, overrides)
             result = run_offline(config, spec, args.label or "offline")

@@ -37,6 +37,7 @@ async def send(
         "ignore_eos": spec.ignore_eos,
         "stream": True,
         "stream_options": {"include_usage": True},
+        **spec.extra_body,
     }
     record = RequestRecord(prompt_tokens=prompt.length or 0)
     start = last = time.perf_counter()

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 import msgspec
 import yaml
@@ -41,6 +41,8 @@ class Spec(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     token_id_range: tuple[int, int] = (100, 10000)  # random prompts draw ids from here
     slo: SLO = msgspec.field(default_factory=SLO)
     mode: Literal["completions"] = "completions"
+    # Fields added to every request body as they are (e.g. response_format); over HTTP only.
+    extra_body: dict[str, Any] = msgspec.field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if (self.concurrency is None) == (self.request_rate is None):

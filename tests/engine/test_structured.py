@@ -1,0 +1,142 @@
+"""Structured output in the engine: offline through SamplingParams(structured_outputs=...), the grammar
+cache, the bitmask in the sampler, and forced tool calls parsed whole and streamed."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from kiln import LLM, SamplingParams
+from kiln.api.tool_calls import ToolCallStream
+from kiln.engine.grammar import Grammars
+from kiln.ops.sampler import Sampler, SamplingMetadata
+from kiln.sampling_params import StructuredOutputsParams
+
+S = StructuredOutputsParams
+
+
+@pytest.fixture(scope="module")
+def grammars(default_model_dir: Path) -> Grammars:
+    load = lambda: AutoTokenizer.from_pretrained(default_model_dir)
+    g = Grammars(load, len(load()), {2})
+    yield g
+    g.close()
+
+
+def matches(grammars: Grammars, params: StructuredOutputsParams, text: str) -> bool:
+    seq = grammars.start(params)
+    seq.compiled.result(timeout=60)
+    assert seq.active and seq.matcher is not None
+    return seq.matcher.accept_string(text) and seq.matcher.is_completed()
+
+
+def test_choices_are_taken_literally(grammars: Grammars) -> None:
+    choices = ['say "hi"', "back\\slash", "two\nlines", "é 😀"]
+    for c in choices:
+        assert matches(grammars, S(choice=choices), c)
+    assert not matches(grammars, S(choice=choices), "say hi")
+
+
+def test_schema_property_order_is_kept(grammars: Grammars) -> None:
+    schema = {"type": "object", "properties": {"b": {"type": "integer"}, "a": {"type": "integer"}}}
+    assert matches(grammars, S(json=schema), '{"b": 1, "a": 2}')
+    assert not matches(grammars, S(json=json.dumps(schema)), '{"a": 2, "b": 1}')
+
+
+def test_cache_hits_and_misses(grammars: Grammars) -> None:
+    before = (grammars.stats.hits, grammars.stats.misses)
+    first, second = grammars.start(S(regex="cache-[0-9]")), grammars.start(S(regex="cache-[0-9]"))
+    assert first.compiled is second.compiled
+    assert (grammars.stats.hits - before[0], grammars.stats.misses - before[1]) == (1, 1)
+
+
+@pytest.mark.parametrize(
+    ("params", "says"),
+    [
+        (S(json={"type": "object", "properties": {"n": {"type": "number", "multipleOf": 2}}}), "multipleOf"),
+        (S(json={"type": "array", "uniqueItems": True}), "uniqueItems"),
+        (S(json={"type": "string", "format": "credit-card"}), "format"),
+        (S(json={"type": "string", "pattern": "a+", "maxLength": 3}), "length bound"),
+        (S(json='"a string"'), "schema object"),
+        (S(json={"$ref": "#/missing"}), "invalid JSON schema"),
+        (S(regex="a\x00"), "NUL"),
+        (S(choice=["a", ""]), "non-empty"),
+        (S(grammar="root ::= [z-a]"), "invalid grammar"),
+    ],
+)
+def test_bad_constraints(grammars: Grammars, params: StructuredOutputsParams, says: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(says)):
+        grammars.check(params)
+
+
+def test_params_take_exactly_one_constraint() -> None:
+    with pytest.raises(ValueError, match="exactly one"):
+        S()
+    with pytest.raises(ValueError, match="exactly one"):
+        S(regex="a", grammar='root ::= "a"')
+
+
+def test_sampler_masks_only_the_grammar_rows() -> None:
+    """Row 0 may take tokens 3 and 40 only; row 1 is free and keeps its argmax."""
+    vocab = 64
+    logits = torch.zeros(2, vocab)
+    logits[:, 7] = 5.0
+    bitmask = torch.zeros(2, 2, dtype=torch.int32)
+    bitmask[0, 0] = 1 << 3
+    bitmask[0, 1] = 1 << (40 - 32)
+    p = SamplingParams(temperature=0.0)
+    meta = SamplingMetadata.build(
+        [p, p], [None, None], [[], []], vocab, torch.device("cpu"), None, (bitmask, [0])
+    )
+    out = Sampler()(logits, meta)
+    assert out.token_ids.tolist() == [3, 7]
+    assert torch.isinf(logits[0]).sum() == vocab - 2 and not torch.isinf(logits[1]).any()
+
+
+def test_required_calls_stream_as_they_complete() -> None:
+    text = '[{"name": "f", "parameters": {"x": "}"}}, {"name": "g", "parameters": {}}]'
+    stream, deltas = ToolCallStream(None), []
+    for i in range(0, len(text), 3):
+        deltas += stream.feed(text[i : i + 3])
+    assert [(d.index, d.function.name, json.loads(d.function.arguments)) for d in deltas] == [
+        (0, "f", {"x": "}"}),
+        (1, "g", {}),
+    ]
+    whole = ToolCallStream(None).whole(text)
+    assert [(c.function.name, c.function.arguments) for c in whole] == [("f", '{"x": "}"}'), ("g", "{}")]
+    assert [c.function.name for c in ToolCallStream(None).whole(text[:50])] == ["f"]  # cut by max_tokens
+
+
+def test_named_call_streams_its_arguments() -> None:
+    stream = ToolCallStream("f")
+    first, second = stream.feed('{"x"'), stream.feed(": 1}")
+    assert first[0].id and first[0].function.name == "f" and first[0].function.arguments == '{"x"'
+    assert second[0].id is None and second[0].function.arguments == ": 1}"
+
+
+@pytest.mark.slow
+def test_offline_generate(default_model_dir: Path) -> None:
+    llm = LLM("default", max_model_len=512)
+    tok = llm.get_tokenizer()
+    ask = llm.apply_chat_template([{"role": "user", "content": "When was the Eiffel tower built?"}])
+    date = r"\d{4}-\d{2}-\d{2}"
+    free = SamplingParams(temperature=0.0, max_tokens=24)
+    alone = llm.generate([ask], free, use_tqdm=False)[0].outputs[0].token_ids
+    constrained = SamplingParams(
+        temperature=1.0, seed=3, n=3, max_tokens=24, structured_outputs=S(regex=date)
+    )
+    choice = SamplingParams(temperature=0.0, max_tokens=8, structured_outputs=S(choice=["1887", "1889"]))
+    outs = llm.generate([ask, ask, tok.encode("The year:")], [free, constrained, choice], use_tqdm=False)
+    assert outs[0].outputs[0].token_ids == alone  # a free row beside grammar rows is unchanged
+    assert len(outs[1].outputs) == 3 and all(re.fullmatch(date, c.text) for c in outs[1].outputs)
+    assert outs[2].outputs[0].text in ("1887", "1889")
+
+    bad = SamplingParams(structured_outputs=S(regex="(a"))
+    with pytest.raises(ValueError, match="invalid regex"):
+        llm.generate([ask, ask], [free, bad], use_tqdm=False)
+    assert not llm.engine.has_unfinished()  # nothing of the failed call stays queued
