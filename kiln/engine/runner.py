@@ -27,7 +27,6 @@ from kiln.ops.sampler import (
     Sampler,
     SamplerOutput,
     SamplingMetadata,
-    apply_bitmask,
     compute_logprobs,
 )
 from kiln.sampling_params import SamplingParams
@@ -228,9 +227,8 @@ class ModelRunner:
 
     def _throwaway_sampler(self) -> Sampler:
         """The engine's sampler on its own generator: the engine's stream of draws is left as it was."""
-        return Sampler(
-            torch.Generator(device=self.device).manual_seed(0), self.sampler.prepare, self.sampler.draw
-        )
+        s = self.sampler
+        return Sampler(torch.Generator(device=self.device).manual_seed(0), s.prepare, s.draw, s.mask)
 
     @torch.inference_mode()
     def warm_sampler(self) -> None:
@@ -255,7 +253,7 @@ class ModelRunner:
             throwaway(torch.zeros(2, vocab, device=self.device), meta)
         if self.device.type == "cuda":  # xgrammar's bitmask kernel is Triton, built on first use
             allowed = torch.full((2, (vocab + 31) // 32), -1, dtype=torch.int32)
-            apply_bitmask(torch.zeros(2, vocab, device=self.device), allowed, [0])
+            self.sampler.mask(torch.zeros(2, vocab, device=self.device), allowed, [0])
 
     def _prompt_logprobs(
         self,

@@ -149,28 +149,32 @@ class SamplerOutput:
 # The sampler's two stages: penalties, bias and temperature; then the filters and the random draw.
 Prepare = Callable[[torch.Tensor, "SamplingMetadata"], torch.Tensor]
 Draw = Callable[[torch.Tensor, "SamplingMetadata", torch.Generator | None], torch.Tensor]
+# The structured-output mask, in place: (logits, token bitmask, its rows).
+Mask = Callable[[torch.Tensor, torch.Tensor, list[int]], None]
 
 
 class Sampler:
     """prepare: penalties, bias and temperature (prepare_logits or its Triton kernel); draw: top-k, top-p,
-    min-p and the random draw (draw below, or FlashInfer's sort-free kernels). Greedy rows are an exact
-    argmax either way."""
+    min-p and the random draw (draw below, or FlashInfer's sort-free kernels); mask: a grammar's token
+    bitmask (xgrammar's kernel, or kiln's on the CPU). Greedy rows are an exact argmax either way."""
 
     def __init__(
         self,
         generator: torch.Generator | None = None,
         prepare: Prepare | None = None,
         draw: Draw | None = None,
+        mask: Mask | None = None,
     ) -> None:
         self.generator = generator  # for rows without a seed; None means torch's default
         self.prepare = prepare or prepare_logits
         self.draw = draw or draw_tokens
+        self.mask = mask or apply_bitmask
 
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
         """logits: the step's own (a grammar masks them in place, so logprobs see only allowed tokens, as
         in vLLM); the rest works on a copy, and logprobs come from the logits before it."""
         if meta.allowed is not None:
-            apply_bitmask(logits, *meta.allowed)
+            self.mask(logits, *meta.allowed)
         processed = self.prepare(logits, meta)
         token_ids = processed.argmax(dim=-1)
         if not meta.all_greedy:

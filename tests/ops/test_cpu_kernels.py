@@ -69,3 +69,21 @@ def test_attention_rows_do_not_depend_on_chunking_or_neighbours(
         alone = _attend(q[row : row + 1], cache, [0, 1], [ctx - 8 + row], [tables[0]], window)
         assert torch.equal(alone, got[row : row + 1])
     assert torch.equal(_attend(q[9:10], cache, [0, 1], [lens[1]], [tables[1]], window), got[9:10])
+
+
+@pytest.mark.parametrize("vocab", [64, 49152, 1000 + 7])
+def test_grammar_mask_is_xgrammars(vocab: int) -> None:
+    """kiln's structured-output mask sets exactly the logits xgrammar's kernel sets, on the listed rows."""
+    import xgrammar as xgr
+
+    from kiln.ops.cpu.sampling import apply_bitmask
+
+    torch.manual_seed(0)
+    logits = torch.randn(6, vocab)
+    bitmask = torch.randint(-(2**31), 2**31 - 1, (6, (vocab + 31) // 32), dtype=torch.int32)
+    bitmask[:, 0], bitmask[:, 1] = -1, 0  # a word that allows all, and one that allows none
+    ours, theirs = logits.clone(), logits.clone()
+    apply_bitmask(ours, bitmask, [0, 3, 5])
+    xgr.apply_token_bitmask_inplace(theirs, bitmask, indices=[0, 3, 5])
+    assert torch.equal(ours, theirs)
+    assert torch.equal(ours[[1, 2, 4]], logits[[1, 2, 4]])

@@ -1,5 +1,5 @@
 // kiln's CPU kernels: a linear layer over packed 16- or 32-bit weights and paged attention, both
-// batch-invariant. Every output element is computed by the same sequence of float32 operations whatever
+// batch-invariant, and the structured-output token mask. Every output element is computed by the same sequence of float32 operations whatever
 // the number of rows in the call, how rows are tiled, or how work is split across threads:
 //  - linear: y[m, n] = bias[n] + sum over k of x[m, k] * w[n, k], accumulated by one FMA chain in k order;
 //  - attention: a query row's online softmax walks its context in KV-cache blocks from position 0.
@@ -407,15 +407,56 @@ at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& kv_cache, c
   return out;
 }
 
+// Structured output: -inf on each listed row's tokens whose bit is clear, in xgrammar's layout (token t is
+// bit t % 32 of word t / 32 of the row). Eight tokens per AVX2 blend; a word of all-allowed is skipped.
+void apply_bitmask(at::Tensor& logits, const at::Tensor& bitmask, at::IntArrayRef rows) {
+  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat && logits.stride(1) == 1,
+              "kiln_cpu::apply_bitmask: logits must be 2-D float32 with contiguous rows");
+  TORCH_CHECK(bitmask.dim() == 2 && bitmask.scalar_type() == at::kInt && bitmask.stride(1) == 1,
+              "kiln_cpu::apply_bitmask: bitmask must be 2-D int32 with contiguous rows");
+  const int64_t V = std::min(logits.size(1), bitmask.size(1) * 32);
+  for (int64_t r : rows) {
+    TORCH_CHECK(0 <= r && r < logits.size(0) && r < bitmask.size(0), "kiln_cpu::apply_bitmask: row out of range");
+  }
+  float* base = logits.data_ptr<float>();
+  const int32_t* words = bitmask.data_ptr<int32_t>();
+  const int64_t ls = logits.stride(0), bs = bitmask.stride(0);
+  const std::vector<int64_t> list(rows.begin(), rows.end());
+  at::parallel_for(0, static_cast<int64_t>(list.size()), 1, [&](int64_t begin, int64_t end) {
+    const __m256i lane = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+    const __m256 blocked = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+    for (int64_t i = begin; i < end; ++i) {
+      float* row = base + list[i] * ls;
+      const int32_t* bits = words + list[i] * bs;
+      const int64_t full = V / 32;
+      for (int64_t w = 0; w < full; ++w) {
+        if (bits[w] == -1) continue;
+        const __m256i word = _mm256_set1_epi32(bits[w]);
+        for (int g = 0; g < 4; ++g) {
+          const __m256i sel = _mm256_slli_epi32(lane, 8 * g);
+          const __m256 allowed = _mm256_castsi256_ps(_mm256_cmpeq_epi32(_mm256_and_si256(word, sel), sel));
+          float* p = row + w * 32 + 8 * g;
+          _mm256_storeu_ps(p, _mm256_blendv_ps(blocked, _mm256_loadu_ps(p), allowed));
+        }
+      }
+      for (int64_t t = full * 32; t < V; ++t) {
+        if (!((static_cast<uint32_t>(bits[t / 32]) >> (t % 32)) & 1u)) row[t] = -std::numeric_limits<float>::infinity();
+      }
+    }
+  });
+}
+
 }  // namespace
 
 TORCH_LIBRARY(kiln_cpu, m) {
   m.def("linear(Tensor x, Tensor w, int n, Tensor? bias) -> Tensor");
   m.def("paged_attention(Tensor q, Tensor kv_cache, Tensor query_start_loc, Tensor seq_lens, "
         "Tensor block_table, float scale, int sliding_window) -> Tensor");
+  m.def("apply_bitmask(Tensor(a!) logits, Tensor bitmask, int[] rows) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(kiln_cpu, CPU, m) {
   m.impl("linear", &linear);
   m.impl("paged_attention", &paged_attention);
+  m.impl("apply_bitmask", &apply_bitmask);
 }
