@@ -1,0 +1,23 @@
+"""Structured output on CUDA: the bitmask filled on the CPU while the GPU runs the forward, applied with
+xgrammar's Triton kernel (built during warmup), beside free rows in CUDA-graph decode steps."""
+
+import re
+from pathlib import Path
+
+from kiln import LLM, SamplingParams
+from kiln.sampling_params import StructuredOutputsParams
+from tests.models.tiny import build_default_vocab
+
+DATE = r"\d{4}-\d{2}-\d{2}"
+
+
+def test_constrained_rows_beside_free_ones(tmp_path: Path, default_model_dir: Path) -> None:
+    model = build_default_vocab(tmp_path, default_model_dir)  # a random model: only the grammar makes a date
+    llm = LLM(str(model), dtype="bfloat16", device="cuda", mode="cudagraph", kv_cache_gib=0.05)
+    so = StructuredOutputsParams(regex=DATE)
+    params = [SamplingParams(temperature=1.0, seed=s, max_tokens=16, structured_outputs=so) for s in range(6)]
+    free = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    outs = llm.generate(["a b c"] * 7, [free, *params], use_tqdm=False)
+    assert len(outs[0].outputs[0].token_ids) == 16  # a free row runs on, unmasked
+    for out in outs[1:]:
+        assert re.fullmatch(DATE, out.outputs[0].text) and out.outputs[0].finish_reason == "stop"
