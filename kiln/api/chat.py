@@ -70,9 +70,10 @@ async def create_chat_completion(
     out = outputs[0]
     choices = []
     for c in out.outputs:
-        message = AssistantMessage(c.text)
         if calls:
             message = AssistantMessage(None, tool_calls=ToolCallStream(call_name).whole(c.text))
+        else:
+            message = AssistantMessage(c.text)
         logprobs = None if k is None else chat_logprobs(c.token_ids, c.logprobs or [], k)
         choices.append(ChatChoice(c.index, message, logprobs, _finish(c.finish_reason, calls), c.stop_reason))
     return ChatCompletionResponse(id=rid, model=model, choices=choices, usage=usage(outputs))

@@ -16,7 +16,7 @@ from kiln.compile.lowering import BucketReport
 from kiln.config import EngineConfig
 from kiln.engine.block_manager import BlockManager
 from kiln.engine.detokenizer import IncrementalDetokenizer, SequenceText
-from kiln.engine.grammar import Grammars
+from kiln.engine.grammar import Constraint, Grammars
 from kiln.engine.memory import kv_cache_blocks
 from kiln.engine.output import OutputProcessor, Parent, RequestOutput
 from kiln.engine.request import Request
@@ -164,6 +164,8 @@ class LLMEngine:
             raise ValueError(f"request id {request_id!r} is already in use")
         self.check_params(params)
         ids = self.tokenize(prompt)
+        so = params.structured_outputs
+        constraint = None if so is None else self.grammars.check(so)  # parsed once, for every child
         children = []
         for i in range(params.n):
             p = (
@@ -177,13 +179,20 @@ class LLMEngine:
                 )
             )
             child_id = f"{request_id}-{i}" if params.n > 1 else request_id
-            children.append(self._request(child_id, request_id, ids, p))
+            children.append(self._request(child_id, request_id, ids, p, constraint))
         parent = Parent(request_id, prompt if isinstance(prompt, str) else None, children)
         self.output.parents[request_id] = parent
         for child in children:
             self.scheduler.add(child)
 
-    def _request(self, request_id: str, parent_id: str, ids: list[int], p: SamplingParams) -> Request:
+    def _request(
+        self,
+        request_id: str,
+        parent_id: str,
+        ids: list[int],
+        p: SamplingParams,
+        constraint: Constraint | None,
+    ) -> Request:
         banned = (
             []
             if p.min_tokens == 0
@@ -203,7 +212,7 @@ class LLMEngine:
             generator=generator,
             min_tokens_banned=banned,
             stop_ids=frozenset(p.stop_token_ids),
-            grammar=None if p.structured_outputs is None else self.grammars.start(p.structured_outputs),
+            grammar=None if constraint is None else self.grammars.start(constraint),
             logprobs=[] if p.logprobs is not None else None,
             prompt_logprobs=[None] if p.prompt_logprobs is not None else None,
         )

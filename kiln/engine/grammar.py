@@ -219,9 +219,10 @@ class Grammars:
                 self._entries.popitem(last=False)
             return entry
 
-    def start(self, params: StructuredOutputsParams) -> SequenceGrammar:
-        """The sequence's grammar: compiled once per distinct constraint, then shared from the cache."""
-        entry = self._entry(Constraint.of(params))
+    def start(self, constraint: Constraint) -> SequenceGrammar:
+        """A sequence's grammar (`check`'s constraint): compiled once per distinct constraint, then shared
+        from the cache."""
+        entry = self._entry(constraint)
         with self._lock:
             if entry.compiled is None:
                 self.stats.misses += 1
@@ -267,7 +268,7 @@ class Grammars:
 
         if self._bitmask is None or len(self._bitmask) < num_rows:
             self._bitmask = xgr.allocate_token_bitmask(max(num_rows, 16), self.vocab_size)
+        if self._batch is None:
             self._batch = xgr.BatchGrammarMatcher(max_threads=1)
-        assert self._batch is not None
         self._batch.batch_fill_next_token_bitmask([g.matcher for g in grammars], self._bitmask, rows)
         return self._bitmask[:num_rows]

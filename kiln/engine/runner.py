@@ -22,13 +22,7 @@ from kiln.engine.token_counts import TokenCounts
 from kiln.models.decoder import DecoderModel
 from kiln.ops.attention import AttnMetadata, StepLayout
 from kiln.ops.backend import TORCH_BACKEND, Backend
-from kiln.ops.sampler import (
-    Penalties,
-    Sampler,
-    SamplerOutput,
-    SamplingMetadata,
-    compute_logprobs,
-)
+from kiln.ops.sampler import Penalties, Sampler, SamplerOutput, SamplingMetadata, compute_logprobs
 from kiln.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -135,11 +129,14 @@ class ModelRunner:
 
     def _allowed(self, sampled: list[Request]) -> tuple[torch.Tensor, list[int]] | None:
         """The token bitmask of the rows under a grammar, and which rows those are."""
-        rows = [i for i, r in enumerate(sampled) if r.grammar is not None and r.grammar.active]
+        rows, grammars = [], []
+        for i, r in enumerate(sampled):
+            if r.grammar is not None and r.grammar.active:
+                rows.append(i)
+                grammars.append(r.grammar)
         if not rows:
             return None
         assert self.grammars is not None
-        grammars = [g for i in rows if (g := sampled[i].grammar) is not None]
         return self.grammars.bitmask(grammars, rows, len(sampled)), rows
 
     def _forward(self, num_tokens: int, num_reqs: int, decode_only: bool) -> torch.Tensor:

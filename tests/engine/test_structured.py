@@ -29,7 +29,7 @@ def grammars(default_model_dir: Path) -> Grammars:
 
 
 def matches(grammars: Grammars, params: StructuredOutputsParams, text: str) -> bool:
-    seq = grammars.start(params)
+    seq = grammars.start(grammars.check(params))
     seq.compiled.result(timeout=60)
     assert seq.active and seq.matcher is not None
     return seq.matcher.accept_string(text) and seq.matcher.is_completed()
@@ -50,7 +50,8 @@ def test_schema_property_order_is_kept(grammars: Grammars) -> None:
 
 def test_cache_hits_and_misses(grammars: Grammars) -> None:
     before = (grammars.stats.hits, grammars.stats.misses)
-    first, second = grammars.start(S(regex="cache-[0-9]")), grammars.start(S(regex="cache-[0-9]"))
+    constraint = grammars.check(S(regex="cache-[0-9]"))
+    first, second = grammars.start(constraint), grammars.start(constraint)
     assert first.compiled is second.compiled
     assert (grammars.stats.hits - before[0], grammars.stats.misses - before[1]) == (1, 1)
 
