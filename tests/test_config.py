@@ -34,6 +34,10 @@ def test_flags_override_the_file(tmp_path: Path) -> None:
         ("cache:\n  block_size: big\n", "key 'cache.block_size': Expected `int`, got `str`"),
         ("server:\n  port: 70000\n", "key 'server.port': Expected `int` <= 65535"),
         ("model: [1]\n", "key 'model': Expected `object`, got `array`"),
+        (
+            "scheduler:\n  max_long_partial_prefills: 9\n",
+            "key 'scheduler': max_long_partial_prefills must not exceed max_num_partial_prefills",
+        ),
         ("- 1\n", "expected a mapping of sections, got list"),
         ("model: {\n", "not valid YAML"),
     ],

@@ -1,4 +1,5 @@
-"""Chooses each step's work: running requests first, then waiting ones, FCFS, within a token budget."""
+"""Chooses each step's work: running requests first, then waiting ones, FCFS, within a token budget;
+long prompts are chunked so that short ones overtake them (vLLM's partial-prefill limits)."""
 
 from __future__ import annotations
 
@@ -28,9 +29,12 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager, max_model_len: int) -> None:
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
+        self.max_num_partial_prefills = config.max_num_partial_prefills
+        self.max_long_partial_prefills = config.max_long_partial_prefills
+        self.chunk = config.prefill_threshold(max_model_len) or config.max_num_batched_tokens
         self.block_manager = block_manager
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -42,13 +46,18 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def _is_long(self, req: Request) -> bool:
+        return req.num_tokens - req.num_computed_tokens > self.chunk
+
     def schedule(self) -> ScheduledBatch:
         budget = self.max_num_batched_tokens
         batch = ScheduledBatch([], [])
+        prefills = longs = 0  # requests prefilling in this step, and the long ones among them
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            long = self._is_long(req)
+            num_new = min(req.num_tokens - req.num_computed_tokens, self.chunk, budget)
             while not self.block_manager.allocate(req, req.num_computed_tokens + num_new):
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -59,20 +68,30 @@ class Scheduler:
                 batch.requests.append(req)
                 batch.num_new_tokens.append(num_new)
                 budget -= num_new
+                prefills += num_new > 1
+                longs += long
                 i += 1
-        # After a preemption there is no room to spare: admitting would only thrash. A request whose
-        # grammar is still compiling keeps its place in the queue while those behind it go ahead.
-        compiling: list[Request] = []
+        # After a preemption there is no room to spare: admitting would only thrash. A request that cannot
+        # start yet keeps its place in the queue while those behind it go ahead: its grammar is still
+        # compiling, or it is long and the step already prefills as many long prompts as allowed.
+        skipped: list[Request] = []
         while (
-            self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not batch.num_preempted
+            self.waiting
+            and budget > 0
+            and len(self.running) < self.max_num_seqs
+            and prefills < self.max_num_partial_prefills
+            and not batch.num_preempted
         ):
             req = self.waiting[0]
-            if req.grammar is not None and not req.grammar.ready:
-                compiling.append(self.waiting.popleft())
+            long = self._is_long(req)  # by its whole prompt: a cached prefix does not make it short
+            if (req.grammar is not None and not req.grammar.ready) or (
+                long and longs >= self.max_long_partial_prefills
+            ):
+                skipped.append(self.waiting.popleft())
                 continue
             if req.num_computed_tokens == 0:
                 req.num_computed_tokens = self.block_manager.match_prefix(req)
-            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            num_new = min(req.num_tokens - req.num_computed_tokens, self.chunk, budget)
             if not self.block_manager.allocate(req, req.num_computed_tokens + num_new):
                 self.block_manager.free_request(req)
                 req.num_computed_tokens = 0
@@ -85,7 +104,9 @@ class Scheduler:
             batch.requests.append(req)
             batch.num_new_tokens.append(num_new)
             budget -= num_new
-        self.waiting.extendleft(reversed(compiling))
+            prefills += num_new > 1
+            longs += long
+        self.waiting.extendleft(reversed(skipped))
         return batch
 
     def _preempt(self, req: Request) -> None:

@@ -29,10 +29,18 @@ def make_request(rid: str, prompt: list[int] | int, max_tokens: int = 16) -> Req
 
 
 def make_scheduler(
-    num_blocks: int = 64, max_num_batched_tokens: int = 64, max_num_seqs: int = 16, caching: bool = True
+    num_blocks: int = 64,
+    max_num_batched_tokens: int = 64,
+    max_num_seqs: int = 16,
+    caching: bool = True,
+    max_model_len: int = 100_000,  # the default threshold, 4% of it, then limits none of these prompts
+    **knobs: int,
 ) -> Scheduler:
-    config = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
-    return Scheduler(config, BlockManager(num_blocks, BS, caching))
+    knobs.setdefault("max_num_partial_prefills", 16)
+    config = SchedulerConfig(
+        max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, **knobs
+    )
+    return Scheduler(config, BlockManager(num_blocks, BS, caching), max_model_len)
 
 
 def check_invariants(sched: Scheduler, batch: ScheduledBatch) -> None:
@@ -116,6 +124,48 @@ def test_budget_also_limits_running_prefills() -> None:
     assert scheduled(step(sched)) == [("a", 1), ("b", 5)]
     assert scheduled(step(sched)) == [("a", 1), ("b", 3)]
     assert scheduled(step(sched)) == [("a", 1), ("b", 1)]
+
+
+def test_long_prefill_threshold_chunks_a_long_prompt_and_a_short_one_overtakes_it() -> None:
+    sched = make_scheduler(max_num_batched_tokens=16, long_prefill_token_threshold=4)
+    long = make_request("long", 14, max_tokens=2)
+    sched.add(long)
+    assert scheduled(step(sched)) == [("long", 4)]  # the threshold, not the budget, limits its chunk
+    short = make_request("short", 3, max_tokens=2)
+    sched.add(short)
+    assert scheduled(step(sched)) == [("long", 4), ("short", 3)]
+    assert short.num_output_tokens == 1 and long.num_output_tokens == 0
+    assert scheduled(step(sched)) == [("long", 4), ("short", 1)]
+    assert scheduled(step(sched)) == [("long", 2)]
+    assert long.num_output_tokens == 1 and short.finished
+
+
+def test_one_long_prefill_at_a_time_lets_short_prompts_through() -> None:
+    sched = make_scheduler(long_prefill_token_threshold=8, max_num_partial_prefills=3)
+    a, b, c = make_request("a", 20), make_request("b", 20), make_request("c", 5)
+    for r in (a, b, c):
+        sched.add(r)
+    # b is long too and waits (max_long_partial_prefills=1); c, behind it, is short and starts.
+    assert scheduled(step(sched)) == [("a", 8), ("c", 5)]
+    assert [r.request_id for r in sched.waiting] == ["b"]
+    assert b.block_ids == [] and b.num_computed_tokens == 0
+    assert scheduled(step(sched)) == [("a", 8), ("c", 1)]
+    assert scheduled(step(sched)) == [("a", 4), ("c", 1), ("b", 8)]  # a's last chunk is short: b starts
+
+
+def test_max_num_partial_prefills_limits_prefills_in_a_step() -> None:
+    sched = make_scheduler(max_num_partial_prefills=2, max_long_partial_prefills=2)
+    reqs = [make_request(f"r{i}", 5, max_tokens=3) for i in range(3)]
+    for r in reqs:
+        sched.add(r)
+    assert scheduled(step(sched)) == [("r0", 5), ("r1", 5)]
+    assert scheduled(step(sched)) == [("r0", 1), ("r1", 1), ("r2", 5)]  # decodes do not count
+
+
+def test_default_threshold_is_vllms_rule() -> None:
+    assert SchedulerConfig(max_num_partial_prefills=1).prefill_threshold(8192) == 0
+    assert SchedulerConfig(max_num_partial_prefills=2).prefill_threshold(8192) == 327
+    assert SchedulerConfig(long_prefill_token_threshold=100).prefill_threshold(8192) == 100
 
 
 def test_max_num_seqs_limits_running_requests() -> None:
@@ -242,7 +292,14 @@ def test_cached_token_count_is_that_of_the_first_admission() -> None:
 
 def test_random_workload_keeps_block_accounting_exact() -> None:
     rng = random.Random(0)
-    sched = make_scheduler(num_blocks=24, max_num_batched_tokens=16, max_num_seqs=6)
+    sched = make_scheduler(
+        num_blocks=24,
+        max_num_batched_tokens=16,
+        max_num_seqs=6,
+        long_prefill_token_threshold=6,
+        max_num_partial_prefills=3,
+        max_long_partial_prefills=2,
+    )
     shared = [rng.randrange(50) for _ in range(12)]
     reqs = []
     for i in range(30):
