@@ -369,12 +369,18 @@ at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& kv_cache, c
   Layout L{query_start_loc.data_ptr<int32_t>(), seq_lens.data_ptr<int32_t>(), block_table.data_ptr<int32_t>(),
            block_table.size(1), kv_cache.size(2), KVH, D, H / KVH, float(scale), sliding_window};
   at::Tensor out = at::zeros_like(q);
-  // Groups of up to kRows consecutive rows of one request: (request, first row, rows).
+  // Groups of up to kRows consecutive rows of one request: (request, first row, rows), the longest
+  // contexts first. Threads take work items one at a time: split evenly, a causal prefill's later (longer)
+  // rows would all land on the last thread.
   std::vector<std::array<int64_t, 3>> groups;
   for (int64_t b = 0; b < B; ++b) {
     const int64_t end = std::min<int64_t>(L.qsl[b + 1], T);
     for (int64_t t = L.qsl[b]; t < end; t += kRows) groups.push_back({b, t, std::min<int64_t>(kRows, end - t)});
   }
+  auto context = [&](const std::array<int64_t, 3>& g) {
+    return L.seq_lens[g[0]] - (L.qsl[g[0] + 1] - L.qsl[g[0]]) - L.qsl[g[0]] + g[1] + g[2];
+  };
+  std::stable_sort(groups.begin(), groups.end(), [&](const auto& x, const auto& y) { return context(x) > context(y); });
   const int64_t n = int64_t(groups.size());
   // Work items: (group, kv head) with its query heads together, or single heads when that is too few
   // items to keep every thread busy (a decode of one sequence).
@@ -382,11 +388,14 @@ at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& kv_cache, c
   const int64_t per = L.group / split;
   const float* qp = q.data_ptr<float>();
   float* op = out.data_ptr<float>();
+  const int64_t items = n * KVH * split;
   auto run = [&](auto* kv) {
     using KV = std::remove_const_t<std::remove_pointer_t<decltype(kv)>>;
-    at::parallel_for(0, n * KVH * split, 1, [&](int64_t begin, int64_t end) {
+#pragma omp parallel num_threads(int(std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), items))))
+    {
       std::vector<float> acc(kRows * D);
-      for (int64_t i = begin; i < end; ++i) {
+#pragma omp for schedule(dynamic, 1)
+      for (int64_t i = 0; i < items; ++i) {
         const auto [b, t0, rows] = groups[i / (KVH * split)];
         const int64_t kvh = (i / split) % KVH, g0 = (i % split) * per, g1 = g0 + per;
         switch (rows) {
@@ -396,7 +405,7 @@ at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& kv_cache, c
           default: attend<KV, 1>(L, qp, kv, op, b, t0, kvh, g0, g1, H, acc.data()); break;
         }
       }
-    });
+    }
   };
   switch (kv_cache.scalar_type()) {
     case at::kHalf: run(kv_cache.data_ptr<c10::Half>()); break;
