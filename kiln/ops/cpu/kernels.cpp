@@ -289,6 +289,10 @@ struct Layout {
   int64_t window;
 };
 
+// Request b's row t (a flat row index) sits at position offset(L, b) + t.
+inline int64_t offset(const Layout& L, int64_t b) { return L.seq_lens[b] - (L.qsl[b + 1] - L.qsl[b]) - L.qsl[b]; }
+
+
 // Rows t0 .. t0 + R - 1 of request `b` (consecutive, so at consecutive positions), query heads [g0, g1)
 // of kv head `kvh`. Each row walks its own context, [first, position], in KV-cache blocks cut into pieces
 // of at most 64 keys at fixed offsets, with an online softmax: a row's arithmetic depends on its position
@@ -297,12 +301,11 @@ template <typename KV, int R>
 void attend(const Layout& L, const float* q, const KV* kv, float* out, int64_t b, int64_t t0, int64_t kvh,
             int64_t g0, int64_t g1, int64_t H, float* acc) {
   const int64_t D = L.D, bs = L.bs, row = L.kvh_count * D;
-  const int64_t start = L.seq_lens[b] - (L.qsl[b + 1] - L.qsl[b]) - L.qsl[b];  // row t sits at start + t
   const int32_t* table = L.table + b * L.table_width;
   constexpr float inf = std::numeric_limits<float>::infinity();
   int64_t pos[R], lo[R];
   for (int r = 0; r < R; ++r) {
-    pos[r] = start + t0 + r;
+    pos[r] = offset(L, b) + t0 + r;
     lo[r] = L.window > 0 ? std::max<int64_t>(0, pos[r] - L.window + 1) : 0;
   }
   alignas(32) float s[R][64];
@@ -378,7 +381,7 @@ at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& kv_cache, c
     for (int64_t t = L.qsl[b]; t < end; t += kRows) groups.push_back({b, t, std::min<int64_t>(kRows, end - t)});
   }
   auto context = [&](const std::array<int64_t, 3>& g) {
-    return L.seq_lens[g[0]] - (L.qsl[g[0] + 1] - L.qsl[g[0]]) - L.qsl[g[0]] + g[1] + g[2];
+    return offset(L, g[0]) + g[1] + g[2];
   };
   std::stable_sort(groups.begin(), groups.end(), [&](const auto& x, const auto& y) { return context(x) > context(y); });
   const int64_t n = int64_t(groups.size());
