@@ -61,8 +61,6 @@ SERVE_FLAGS: dict[str, tuple[str, str, dict]] = {
     "--max-model-len": ("model", "max_model_len", {"type": int}),
     "--max-num-seqs": ("scheduler", "max_num_seqs", {"type": int}),
     "--max-num-batched-tokens": ("scheduler", "max_num_batched_tokens", {"type": int}),
-    "--max-num-partial-prefills": ("scheduler", "max_num_partial_prefills", {"type": int}),
-    "--max-long-partial-prefills": ("scheduler", "max_long_partial_prefills", {"type": int}),
     "--long-prefill-token-threshold": ("scheduler", "long_prefill_token_threshold", {"type": int}),
     "--block-size": ("cache", "block_size", {"type": int}),
     "--kv-cache-gib": ("cache", "kv_cache_gib", {"type": float}),

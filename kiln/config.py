@@ -36,24 +36,18 @@ class CacheConfig(_Section):
 class SchedulerConfig(_Section):
     max_num_seqs: Annotated[int, Meta(ge=1)] = 128
     max_num_batched_tokens: Annotated[int, Meta(ge=1)] = 2048
-    # vLLM's chunked-prefill fairness knobs. No request prefills more than long_prefill_token_threshold
-    # tokens in a step, and a prompt with more left than that is "long". At most max_num_partial_prefills
-    # requests prefill in one step, at most max_long_partial_prefills of them long, so short prompts get
-    # a share of every step while a long one is chunked. A threshold of 0 means vLLM's rule: 4% of
-    # max_model_len when max_num_partial_prefills > 1, else no limit.
-    max_num_partial_prefills: Annotated[int, Meta(ge=1)] = 4
-    max_long_partial_prefills: Annotated[int, Meta(ge=1)] = 1
-    long_prefill_token_threshold: Annotated[int, Meta(ge=0)] = 0
+    # vLLM's chunked-prefill fairness knob: no request prefills more than this many tokens in a step, so a
+    # short prompt that arrives while a long one is chunked starts in the next step, beside the long one's
+    # chunk. null: 128 on the CPU, where a long prompt's late chunks cost most (BENCHMARKS.md, fairness),
+    # and no limit on a GPU, as vLLM's default; 0: no limit.
+    long_prefill_token_threshold: Annotated[int, Meta(ge=0)] | None = None
 
-    def __post_init__(self) -> None:
-        if self.max_long_partial_prefills > self.max_num_partial_prefills:
-            raise ValueError("max_long_partial_prefills must not exceed max_num_partial_prefills")
-
-    def prefill_threshold(self, max_model_len: int) -> int:
-        """The chunk limit in tokens, vLLM's default applied; 0: none."""
-        if self.long_prefill_token_threshold or self.max_num_partial_prefills == 1:
-            return self.long_prefill_token_threshold
-        return max(1, int(max_model_len * 0.04))
+    def prefill_chunk(self, device_type: str) -> int:
+        """The most tokens one request prefills in a step."""
+        threshold = self.long_prefill_token_threshold
+        if threshold is None:
+            threshold = 128 if device_type == "cpu" else 0
+        return threshold or self.max_num_batched_tokens
 
 
 class ParallelConfig(_Section):

@@ -1,8 +1,9 @@
 """Fairness offline: a short prompt that arrives while a long one is being prefilled. The long prompt
 (random token ids, one output token) starts; `--after` seconds later a 4-token prompt is added; prints
-when each got its first token. Scheduler knobs are vLLM's names, passed as engine options.
+when each got its first token. The threshold is vLLM's knob, passed as an engine option (default: kiln's,
+128 on the CPU; 0: no limit).
 
-    .venv/bin/python perf/fairness.py --tokens 7900 [--after 2] [--long-prefill-token-threshold 128]
+    .venv/bin/python perf/fairness.py --tokens 7900 [--after 2] [--long-prefill-token-threshold 0]
 """
 
 from __future__ import annotations
@@ -20,15 +21,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", type=int, default=7900)
     ap.add_argument("--after", type=float, default=2.0)
-    ap.add_argument("--long-prefill-token-threshold", type=int, default=0)
-    ap.add_argument("--max-num-partial-prefills", type=int, default=4)
+    ap.add_argument("--long-prefill-token-threshold", type=int, default=None)
     args = ap.parse_args()
     logging.basicConfig(level=logging.WARNING)
     llm = LLM(
         "default",
         enable_prefix_caching=False,
         long_prefill_token_threshold=args.long_prefill_token_threshold,
-        max_num_partial_prefills=args.max_num_partial_prefills,
     )
     engine = llm.engine
     rng = random.Random(0)

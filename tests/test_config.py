@@ -35,8 +35,8 @@ def test_flags_override_the_file(tmp_path: Path) -> None:
         ("server:\n  port: 70000\n", "key 'server.port': Expected `int` <= 65535"),
         ("model: [1]\n", "key 'model': Expected `object`, got `array`"),
         (
-            "scheduler:\n  max_long_partial_prefills: 9\n",
-            "key 'scheduler': max_long_partial_prefills must not exceed max_num_partial_prefills",
+            "scheduler:\n  long_prefill_token_threshold: -1\n",
+            "key 'scheduler.long_prefill_token_threshold': Expected `int` >= 0",
         ),
         ("- 1\n", "expected a mapping of sections, got list"),
         ("model: {\n", "not valid YAML"),

@@ -1,5 +1,6 @@
 """Chooses each step's work: running requests first, then waiting ones, FCFS, within a token budget;
-long prompts are chunked so that short ones overtake them (vLLM's partial-prefill limits)."""
+no request prefills more than `chunk` tokens in a step (vLLM's long_prefill_token_threshold), so a short
+prompt that arrives while a long one is chunked starts beside it."""
 
 from __future__ import annotations
 
@@ -29,12 +30,10 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager, max_model_len: int) -> None:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager, chunk: int) -> None:
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
-        self.max_num_partial_prefills = config.max_num_partial_prefills
-        self.max_long_partial_prefills = config.max_long_partial_prefills
-        self.chunk = config.prefill_threshold(max_model_len) or config.max_num_batched_tokens
+        self.chunk = chunk
         self.block_manager = block_manager
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -46,17 +45,12 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def _is_long(self, req: Request) -> bool:
-        return req.num_tokens - req.num_computed_tokens > self.chunk
-
     def schedule(self) -> ScheduledBatch:
         budget = self.max_num_batched_tokens
         batch = ScheduledBatch([], [])
-        prefills = longs = 0  # requests prefilling in this step, and the long ones among them
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            long = self._is_long(req)
             num_new = min(req.num_tokens - req.num_computed_tokens, self.chunk, budget)
             while not self.block_manager.allocate(req, req.num_computed_tokens + num_new):
                 victim = self.running.pop()
@@ -68,25 +62,15 @@ class Scheduler:
                 batch.requests.append(req)
                 batch.num_new_tokens.append(num_new)
                 budget -= num_new
-                prefills += num_new > 1
-                longs += long
                 i += 1
-        # After a preemption there is no room to spare: admitting would only thrash. A request that cannot
-        # start yet keeps its place in the queue while those behind it go ahead: its grammar is still
-        # compiling, or it is long and the step already prefills as many long prompts as allowed.
+        # After a preemption there is no room to spare: admitting would only thrash. A request whose grammar
+        # is still compiling keeps its place in the queue while those behind it go ahead.
         skipped: list[Request] = []
         while (
-            self.waiting
-            and budget > 0
-            and len(self.running) < self.max_num_seqs
-            and prefills < self.max_num_partial_prefills
-            and not batch.num_preempted
+            self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not batch.num_preempted
         ):
             req = self.waiting[0]
-            long = self._is_long(req)  # by its whole prompt: a cached prefix does not make it short
-            if (req.grammar is not None and not req.grammar.ready) or (
-                long and longs >= self.max_long_partial_prefills
-            ):
+            if req.grammar is not None and not req.grammar.ready:
                 skipped.append(self.waiting.popleft())
                 continue
             if req.num_computed_tokens == 0:
@@ -104,8 +88,6 @@ class Scheduler:
             batch.requests.append(req)
             batch.num_new_tokens.append(num_new)
             budget -= num_new
-            prefills += num_new > 1
-            longs += long
         self.waiting.extendleft(reversed(skipped))
         return batch
 

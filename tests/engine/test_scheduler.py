@@ -33,14 +33,10 @@ def make_scheduler(
     max_num_batched_tokens: int = 64,
     max_num_seqs: int = 16,
     caching: bool = True,
-    max_model_len: int = 100_000,  # the default threshold, 4% of it, then limits none of these prompts
-    **knobs: int,
+    chunk: int = 0,  # the most tokens a request prefills in a step; 0: the step budget
 ) -> Scheduler:
-    knobs.setdefault("max_num_partial_prefills", 16)
-    config = SchedulerConfig(
-        max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, **knobs
-    )
-    return Scheduler(config, BlockManager(num_blocks, BS, caching), max_model_len)
+    config = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
+    return Scheduler(config, BlockManager(num_blocks, BS, caching), chunk or max_num_batched_tokens)
 
 
 def check_invariants(sched: Scheduler, batch: ScheduledBatch) -> None:
@@ -127,7 +123,7 @@ def test_budget_also_limits_running_prefills() -> None:
 
 
 def test_long_prefill_threshold_chunks_a_long_prompt_and_a_short_one_overtakes_it() -> None:
-    sched = make_scheduler(max_num_batched_tokens=16, long_prefill_token_threshold=4)
+    sched = make_scheduler(max_num_batched_tokens=16, chunk=4)
     long = make_request("long", 14, max_tokens=2)
     sched.add(long)
     assert scheduled(step(sched)) == [("long", 4)]  # the threshold, not the budget, limits its chunk
@@ -140,32 +136,23 @@ def test_long_prefill_threshold_chunks_a_long_prompt_and_a_short_one_overtakes_i
     assert long.num_output_tokens == 1 and short.finished
 
 
-def test_one_long_prefill_at_a_time_lets_short_prompts_through() -> None:
-    sched = make_scheduler(long_prefill_token_threshold=8, max_num_partial_prefills=3)
-    a, b, c = make_request("a", 20), make_request("b", 20), make_request("c", 5)
-    for r in (a, b, c):
-        sched.add(r)
-    # b is long too and waits (max_long_partial_prefills=1); c, behind it, is short and starts.
-    assert scheduled(step(sched)) == [("a", 8), ("c", 5)]
-    assert [r.request_id for r in sched.waiting] == ["b"]
-    assert b.block_ids == [] and b.num_computed_tokens == 0
-    assert scheduled(step(sched)) == [("a", 8), ("c", 1)]
-    assert scheduled(step(sched)) == [("a", 4), ("c", 1), ("b", 8)]  # a's last chunk is short: b starts
-
-
-def test_max_num_partial_prefills_limits_prefills_in_a_step() -> None:
-    sched = make_scheduler(max_num_partial_prefills=2, max_long_partial_prefills=2)
-    reqs = [make_request(f"r{i}", 5, max_tokens=3) for i in range(3)]
+def test_many_short_prompts_fill_the_step_beside_a_chunked_long_one() -> None:
+    sched = make_scheduler(max_num_batched_tokens=16, chunk=4)
+    reqs = [make_request("long", 20, max_tokens=2)] + [
+        make_request(f"s{i}", 3, max_tokens=2) for i in range(5)
+    ]
     for r in reqs:
         sched.add(r)
-    assert scheduled(step(sched)) == [("r0", 5), ("r1", 5)]
-    assert scheduled(step(sched)) == [("r0", 1), ("r1", 1), ("r2", 5)]  # decodes do not count
+    # No limit on how many requests prefill at once: only the budget (16) and each one's chunk (4).
+    assert scheduled(step(sched)) == [("long", 4), ("s0", 3), ("s1", 3), ("s2", 3), ("s3", 3)]
+    assert scheduled(step(sched)) == [("long", 4), ("s0", 1), ("s1", 1), ("s2", 1), ("s3", 1), ("s4", 3)]
 
 
-def test_default_threshold_is_vllms_rule() -> None:
-    assert SchedulerConfig(max_num_partial_prefills=1).prefill_threshold(8192) == 0
-    assert SchedulerConfig(max_num_partial_prefills=2).prefill_threshold(8192) == 327
-    assert SchedulerConfig(long_prefill_token_threshold=100).prefill_threshold(8192) == 100
+def test_default_chunk_is_128_on_the_cpu_and_the_budget_on_a_gpu() -> None:
+    assert SchedulerConfig().prefill_chunk("cpu") == 128
+    assert SchedulerConfig().prefill_chunk("cuda") == 2048
+    assert SchedulerConfig(long_prefill_token_threshold=0).prefill_chunk("cpu") == 2048
+    assert SchedulerConfig(long_prefill_token_threshold=100).prefill_chunk("cuda") == 100
 
 
 def test_max_num_seqs_limits_running_requests() -> None:
@@ -296,9 +283,7 @@ def test_random_workload_keeps_block_accounting_exact() -> None:
         num_blocks=24,
         max_num_batched_tokens=16,
         max_num_seqs=6,
-        long_prefill_token_threshold=6,
-        max_num_partial_prefills=3,
-        max_long_partial_prefills=2,
+        chunk=6,
     )
     shared = [rng.randrange(50) for _ in range(12)]
     reqs = []
