@@ -110,3 +110,43 @@ def test_preemption_and_recompute_give_the_same_tokens(alone: list[list[int]]) -
     got = run(small, batch)
     assert small.engine.stats()["preemptions"] > 0
     assert got[: len(tgts)] == alone
+
+
+@pytest.fixture(scope="module")
+def llm32() -> LLM:
+    return LLM("default", dtype="float32", max_model_len=1024)
+
+
+def at_concurrency(llm: LLM, batch: Sequence[Target], concurrency: int) -> list[list[int]]:
+    """Each target's tokens when `concurrency` requests are in flight, as a serving client keeps them:
+    a new one starts as soon as one finishes, so requests join and leave batches mid-decode."""
+    engine, pending, done = llm.engine, list(enumerate(batch)), {}
+    while pending or engine.has_unfinished():
+        while pending and len(pending) + len(done) + concurrency > len(batch):
+            i, (ids, params) = pending.pop(0)
+            engine.add_request(f"c{concurrency}-{i}", ids, params)
+        for out in engine.step(final_only=True):
+            done[int(out.request_id.split("-")[1])] = list(out.outputs[0].token_ids)
+    return [done[i] for i in range(len(batch))]
+
+
+@pytest.fixture(scope="module")
+def varied32(llm32: LLM) -> list[Target]:
+    """16 greedy requests of different prompt and output lengths, some sharing a cached prefix."""
+    rng = random.Random(3)
+    tok = llm32.get_tokenizer()
+    texts = [*CHATS, *COMPLETIONS]
+    batch: list[Target] = []
+    for i in range(16):
+        ids = tok.encode(texts[i % len(texts)]) + [
+            rng.randrange(100, 10_000) for _ in range(rng.randint(0, 60))
+        ]
+        batch.append((ids, SamplingParams(temperature=0.0, max_tokens=rng.randint(8, 40), ignore_eos=True)))
+    return batch
+
+
+@pytest.mark.parametrize("concurrency", [1, 4, 16])
+def test_greedy_tokens_at_any_concurrency_equal_batch_1_in_float32(
+    llm32: LLM, varied32: list[Target], concurrency: int
+) -> None:
+    assert at_concurrency(llm32, varied32, concurrency) == [run(llm32, [t])[0] for t in varied32]
