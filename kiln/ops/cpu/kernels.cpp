@@ -280,6 +280,17 @@ inline void tile_accumulate(float* acc, const float* alpha, const float (*e)[64]
   }
 }
 
+// Asks for this kv head's K and V rows of a KV-cache block ahead of use: blocks sit anywhere in the cache,
+// so the hardware prefetcher cannot guess the next one, and decode attention otherwise waits on memory.
+template <typename KV>
+inline void prefetch_block(const KV* kb, int64_t bs, int64_t row, int64_t D) {
+  const int64_t bytes = D * int64_t(sizeof(KV));
+  for (int64_t j = 0; j < 2 * bs; ++j)
+    for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch(reinterpret_cast<const char*>(kb + j * row) + o, _MM_HINT_T1);
+}
+
+constexpr int64_t kAhead = 3;  // KV-cache blocks prefetched ahead of the one being read
+
 struct Layout {
   const int32_t* qsl;
   const int32_t* seq_lens;
@@ -317,9 +328,15 @@ void attend(const Layout& L, const float* q, const KV* kv, float* out, int64_t b
     std::fill(acc, acc + R * D, 0.0f);
     float m[R], l[R], alpha[R];
     for (int r = 0; r < R; ++r) m[r] = -inf, l[r] = 0.0f, alpha[r] = 1.0f;
-    for (int64_t blk = lo[0] / bs; blk <= pos[R - 1] / bs; ++blk) {
-      const KV* kb = kv + (int64_t(table[blk]) * 2 * bs) * row + kvh * D;
+    const int64_t first = lo[0] / bs, last = pos[R - 1] / bs;
+    auto block = [&](int64_t blk) { return kv + (int64_t(table[blk]) * 2 * bs) * row + kvh * D; };
+    // The first query head's walk fetches the blocks; the other heads of this kv head find them in L2.
+    if (g == g0)
+      for (int64_t blk = first; blk < std::min(first + kAhead, last + 1); ++blk) prefetch_block(block(blk), bs, row, D);
+    for (int64_t blk = first; blk <= last; ++blk) {
+      const KV* kb = block(blk);
       const KV* vb = kb + bs * row;
+      if (g == g0 && blk + kAhead <= last) prefetch_block(block(blk + kAhead), bs, row, D);
       for (int64_t c0 = 0; c0 < bs; c0 += 64) {
         const int64_t base = blk * bs + c0, len = std::min<int64_t>(64, bs - c0);
         int64_t v0[R], v1[R], u0 = len, u1 = 0;
