@@ -26,13 +26,11 @@ class Endpoint:
         return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
 
 
-async def send(
-    client: httpx.AsyncClient, ep: Endpoint, prompt: Prompt, output_len: int, spec: Spec
-) -> RequestRecord:
+async def send(client: httpx.AsyncClient, ep: Endpoint, prompt: Prompt, spec: Spec) -> RequestRecord:
     body = {
         "model": ep.model,
         "prompt": prompt.prompt,
-        "max_tokens": output_len,
+        "max_tokens": prompt.max_tokens,
         "temperature": spec.temperature,
         "ignore_eos": spec.ignore_eos,
         "stream": True,
@@ -84,7 +82,6 @@ def arrival_gaps(rate: float, burstiness: float, n: int, rng: random.Random) -> 
 async def run_load(
     ep: Endpoint,
     prompts: list[Prompt],
-    output_len: int,
     spec: Spec,
     load: tuple[str, float],
     rng: random.Random,
@@ -103,7 +100,7 @@ async def run_load(
 
             async def one(p: Prompt) -> RequestRecord:
                 async with gate:
-                    record = await send(client, ep, p, output_len, spec)
+                    record = await send(client, ep, p, spec)
                 bar.update()
                 return record
 

@@ -31,15 +31,12 @@ def run_offline(config: EngineConfig, spec: Spec, label: str) -> Result:
     ids = itertools.count()
 
     def drive(
-        prompts: list[Prompt], output_len: int, load: tuple[str, float], rng: random.Random, name: str
+        prompts: list[Prompt], load: tuple[str, float], rng: random.Random, name: str
     ) -> tuple[list[RequestRecord], float]:
         kind, value = load
         limit = int(value) if kind == "concurrency" else (spec.max_concurrency or len(prompts))
         gaps = arrival_gaps(value, spec.burstiness, len(prompts), rng) if kind == "request_rate" else None
         arrivals = list(itertools.accumulate(gaps)) if gaps else [0.0] * len(prompts)
-        params = SamplingParams(
-            temperature=spec.temperature, max_tokens=output_len, ignore_eos=spec.ignore_eos
-        )
         live: dict[str, _Live] = {}
         records: list[RequestRecord] = []
         start = time.perf_counter()
@@ -52,6 +49,9 @@ def run_offline(config: EngineConfig, spec: Spec, label: str) -> Result:
                 prompt_ids = engine.tokenize(p.prompt)
                 record = RequestRecord(prompt_tokens=len(prompt_ids))
                 records.append(record)
+                params = SamplingParams(
+                    temperature=spec.temperature, max_tokens=p.max_tokens, ignore_eos=spec.ignore_eos
+                )
                 engine.add_request(rid, prompt_ids, params)
                 live[rid] = _Live(record, now)
             if not live:

@@ -23,10 +23,8 @@ from kiln.perf.spec import Spec
 
 log = logging.getLogger(__name__)
 
-# A point's load generator: (prompts, output_len, load, rng, label) -> (records, wall seconds).
-Driver = Callable[
-    [list[Prompt], int, tuple[str, float], random.Random, str], tuple[list[RequestRecord], float]
-]
+# A point's load generator: (prompts, load, rng, label) -> (records, wall seconds).
+Driver = Callable[[list[Prompt], tuple[str, float], random.Random, str], tuple[list[RequestRecord], float]]
 
 
 class Point(msgspec.Struct, kw_only=True):
@@ -64,12 +62,12 @@ def sweep(
         for kind, value in spec.loads():
             rng = random.Random(f"{spec.seed}/{input_len}/{output_len}/{kind}/{value}")
             if spec.warmup_requests:
-                warm = make_prompts(spec, input_len, spec.warmup_requests, rng, vocab_size)
-                drive(warm, output_len, ("concurrency", float(len(warm))), rng, "warmup")
+                warm = make_prompts(spec, input_len, output_len, spec.warmup_requests, rng, vocab_size)
+                drive(warm, ("concurrency", float(len(warm))), rng, "warmup")
             n = max(spec.num_prompts, int(value)) if kind == "concurrency" else spec.num_prompts
-            prompts = make_prompts(spec, input_len, n, rng, vocab_size)
+            prompts = make_prompts(spec, input_len, output_len, n, rng, vocab_size)
             name = f"{label} in={input_len} out={output_len} {kind}={value:g}"
-            records, duration = drive(prompts, output_len, (kind, value), rng, name)
+            records, duration = drive(prompts, (kind, value), rng, name)
             summary = summarize(records, duration, spec.slo)
             log.info(
                 "%s: %d ok, %d failed, %.1f output tok/s, TTFT p50 %.0f ms, TPOT p50 %.1f ms",
@@ -102,9 +100,9 @@ def run_http(ep: Endpoint, spec: Spec, label: str) -> Result:
         version = {"error": str(e)}
 
     def drive(
-        prompts: list[Prompt], output_len: int, load: tuple[str, float], rng: random.Random, name: str
+        prompts: list[Prompt], load: tuple[str, float], rng: random.Random, name: str
     ) -> tuple[list[RequestRecord], float]:
-        return asyncio.run(run_load(ep, prompts, output_len, spec, load, rng, name))
+        return asyncio.run(run_load(ep, prompts, spec, load, rng, name))
 
     target = {"base_url": ep.base_url, "model": ep.model, "version": version}
     return sweep(spec, drive, label, target)

@@ -11,6 +11,8 @@ from msgspec import Meta
 
 from kiln.config import ConfigError, validation_message
 
+Ratio = Annotated[float, Meta(ge=0, lt=1)]
+
 
 class SLO(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """A request counts toward goodput when it meets every bound given (milliseconds)."""
@@ -39,6 +41,9 @@ class Spec(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     ignore_eos: bool = True
     seed: int = 0
     token_id_range: tuple[int, int] = (100, 10000)  # random prompts draw ids from here
+    # vLLM's --random-range-ratio, for input and output apart: each request's length is drawn uniformly
+    # from [L * (1 - r), L * (1 + r)] around its point's L (the input only for random prompts).
+    range_ratio: tuple[Ratio, Ratio] = (0.0, 0.0)
     slo: SLO = msgspec.field(default_factory=SLO)
     mode: Literal["completions"] = "completions"
     # Fields added to every request body as they are (e.g. response_format); over HTTP only.

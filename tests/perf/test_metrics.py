@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import random
 
 import httpx
 import pytest
 
 from kiln.perf.client import Endpoint, send
-from kiln.perf.dataset import Prompt
+from kiln.perf.dataset import Prompt, make_prompts
 from kiln.perf.metrics import RequestRecord, summarize
 from kiln.perf.spec import SLO, Spec
 
@@ -55,7 +56,7 @@ def _replay(events: list[bytes]) -> RequestRecord:
         transport = httpx.MockTransport(handler)
         async with httpx.AsyncClient(transport=transport, base_url="http://x") as client:
             spec = Spec(concurrency=[1])
-            return await send(client, Endpoint("http://x", "m"), Prompt([1, 2, 3], 3), 4, spec)
+            return await send(client, Endpoint("http://x", "m"), Prompt([1, 2, 3], 3, 4), spec)
 
     return asyncio.run(go())
 
@@ -74,3 +75,17 @@ def test_client_records_a_failure_mid_stream() -> None:
     error = b'{"error": {"message": "the engine has died", "type": "ServiceUnavailableError", "code": 503}}'
     r = _replay([chunk, error, b"[DONE]"])
     assert not r.success and r.error == "error event: the engine has died"
+
+
+def test_range_ratio_draws_lengths_across_the_whole_range() -> None:
+    spec = Spec(concurrency=[1], range_ratio=(7 / 9, 0.6))  # input 64..512, output 64..256 around 288, 160
+    prompts = make_prompts(spec, 288, 160, 2000, random.Random(0), vocab_size=1000)
+    inputs = [p.length for p in prompts]
+    outputs = [p.max_tokens for p in prompts]
+    assert all(len(p.prompt) == p.length for p in prompts)
+    assert (min(inputs), max(inputs), min(outputs), max(outputs)) == (64, 512, 64, 256)
+    # Uniform: each quarter of the input range holds about a quarter of the draws (500 +- 4 sigma).
+    quarters = [sum(64 + 112 * q <= n < 64 + 112 * (q + 1) for n in inputs) for q in range(4)]
+    assert all(abs(c - 500) < 80 for c in quarters), quarters
+    fixed = make_prompts(Spec(concurrency=[1]), 128, 32, 5, random.Random(0))
+    assert {(p.length, p.max_tokens) for p in fixed} == {(128, 32)}
