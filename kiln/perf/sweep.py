@@ -86,6 +86,24 @@ def launch(server: ServerSpec, out_dir: Path) -> subprocess.Popen:
         )
 
 
+def memory_mib(session: int) -> dict[str, float]:
+    """The server's memory now, over every process of its session (vLLM runs several): proportional set
+    size (shared pages split among the processes that map them) and the sum of each process's peak RSS
+    (an upper bound of the peak). Linux only; empty elsewhere."""
+    pss = peak = 0
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            if int(stat.read_text().rsplit(")", 1)[1].split()[3]) != session:
+                continue
+            rollup = (stat.parent / "smaps_rollup").read_text()
+            status = (stat.parent / "status").read_text()
+        except (OSError, IndexError, ValueError):
+            continue  # exited, or not ours to read
+        pss += sum(int(line.split()[1]) for line in rollup.splitlines() if line.startswith("Pss:"))
+        peak += sum(int(line.split()[1]) for line in status.splitlines() if line.startswith("VmHWM:"))
+    return {"pss_mib": pss / 1024, "peak_rss_sum_mib": peak / 1024} if pss else {}
+
+
 def serve_sweep(servers: list[ServerSpec], spec: Spec, out_dir: Path) -> list[Result]:
     out_dir.mkdir(parents=True, exist_ok=True)
     results = []
@@ -99,6 +117,8 @@ def serve_sweep(servers: list[ServerSpec], spec: Spec, out_dir: Path) -> list[Re
             result.target["command"] = server.command
             result.target["env"] = server.env
             result.target["ready_s"] = ready
+            result.target["memory"] = memory_mib(proc.pid)
+            log.info("%s: memory after the sweep %s", server.name, result.target["memory"])
         finally:
             stop(proc)
         json_path, _ = write(result, out_dir)

@@ -109,6 +109,8 @@ def test_serve_sweep_runs_each_server(tmp_path: Path) -> None:
         result = json.loads((out / f"{name}-smoke.json").read_text())
         assert [p["summary"]["completed"] for p in result["points"]] == [4, 4]
         assert result["target"]["ready_s"] > 0
+        memory = result["target"]["memory"]  # the server's own process tree: more than a Python, torch loaded
+        assert 200 < memory["pss_mib"] <= memory["peak_rss_sum_mib"]
         assert "kiln is ready" in (out / f"{name}.log").read_text()
     comparison = (out / "comparison-smoke.txt").read_text()
     assert comparison.startswith("# kiln-1seq vs kiln-4seq")
