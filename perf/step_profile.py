@@ -1,0 +1,49 @@
+"""Where a decode step's time goes on the CPU: B requests of 128 random prompt tokens decode (greedy,
+ignore_eos) on the default model; after 30 steps (every prompt prefilled) it times 30 steps, then runs
+10 more under the torch profiler and prints the ops by self time.
+
+    .venv/bin/python perf/step_profile.py --batch 16 [--batch 1 64 ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import time
+
+from torch.profiler import ProfilerActivity, profile
+
+from kiln import LLM, SamplingParams
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--batch", type=int, nargs="+", default=[16])
+    ap.add_argument("--rows", type=int, default=15, help="profiler table rows")
+    args = ap.parse_args()
+    engine = LLM("default", max_model_len=2048, kv_cache_gib=1).engine
+    for b in args.batch:
+        rng = random.Random(b)
+        params = SamplingParams(temperature=0.0, max_tokens=80, ignore_eos=True)
+        for i in range(b):
+            engine.add_request(f"{b}-{i}", [rng.randrange(100, 10_000) for _ in range(128)], params)
+        for _ in range(30):
+            engine.step()
+        times = []
+        for _ in range(30):
+            clock = time.perf_counter()
+            engine.step()
+            times.append(time.perf_counter() - clock)
+        step = statistics.median(times)
+        print(f"batch {b}: step median {step * 1e3:.2f} ms, {b / step:.1f} tok/s")
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            for _ in range(10):
+                engine.step()
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.rows))
+        while engine.has_unfinished():
+            engine.step()
+
+
+if __name__ == "__main__":
+    main()
