@@ -303,7 +303,6 @@ struct Layout {
 // Request b's row t (a flat row index) sits at position offset(L, b) + t.
 inline int64_t offset(const Layout& L, int64_t b) { return L.seq_lens[b] - (L.qsl[b + 1] - L.qsl[b]) - L.qsl[b]; }
 
-
 // Rows t0 .. t0 + R - 1 of request `b` (consecutive, so at consecutive positions), query heads [g0, g1)
 // of kv head `kvh`. Each row walks its own context, [first, position], in KV-cache blocks cut into pieces
 // of at most 64 keys at fixed offsets, with an online softmax: a row's arithmetic depends on its position
@@ -319,6 +318,8 @@ void attend(const Layout& L, const float* q, const KV* kv, float* out, int64_t b
     pos[r] = offset(L, b) + t0 + r;
     lo[r] = L.window > 0 ? std::max<int64_t>(0, pos[r] - L.window + 1) : 0;
   }
+  const int64_t first = lo[0] / bs, last = pos[R - 1] / bs;
+  auto block = [&](int64_t blk) { return kv + (int64_t(table[blk]) * 2 * bs) * row + kvh * D; };
   alignas(32) float s[R][64];
   alignas(32) float e[R][64];
   for (int64_t g = g0; g < g1; ++g) {
@@ -328,9 +329,7 @@ void attend(const Layout& L, const float* q, const KV* kv, float* out, int64_t b
     std::fill(acc, acc + R * D, 0.0f);
     float m[R], l[R], alpha[R];
     for (int r = 0; r < R; ++r) m[r] = -inf, l[r] = 0.0f, alpha[r] = 1.0f;
-    const int64_t first = lo[0] / bs, last = pos[R - 1] / bs;
-    auto block = [&](int64_t blk) { return kv + (int64_t(table[blk]) * 2 * bs) * row + kvh * D; };
-    // The first query head's walk fetches the blocks; the other heads of this kv head find them in L2.
+    // The item's first query head fetches the blocks; its other heads find them in L2.
     if (g == g0)
       for (int64_t blk = first; blk < std::min(first + kAhead, last + 1); ++blk) prefetch_block(block(blk), bs, row, D);
     for (int64_t blk = first; blk <= last; ++blk) {
