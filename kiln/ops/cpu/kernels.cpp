@@ -46,16 +46,25 @@ inline float load1(const c10::BFloat16* p) { return static_cast<float>(*p); }
 // linear: x [M, K] float32 (rows may be strided), w packed [NB, K, 16] (column n of block b is
 // w[b, :, n % 16], zero past N), bias [N] float32 or none -> y [M, N] float32.
 
+// Weight bytes to bring into L2 while a tile computes: the next chunk's, spread over the tile's k loop.
+struct Prefetch {
+  const char* base = nullptr;
+  int64_t bytes = 0;
+};
+
 // MR rows by NB blocks: MR * NB * 2 accumulators, each one column vector's FMA chain over k.
 template <typename W, int MR, int NB>
 inline void tile(const float* x, int64_t ldx, const W* w, int64_t K, const float* bias, float* y,
-                 int64_t ldy, int64_t n0, int64_t N) {
+                 int64_t ldy, int64_t n0, int64_t N, Prefetch pf) {
+  const int64_t lines = (pf.bytes + 63) / 64;
+  int64_t issued = 0, due = 0;  // lines prefetched; lines due by this k, times K
   __m256 acc[MR][NB * 2];
 #pragma GCC unroll 24
   for (int m = 0; m < MR; ++m)
 #pragma GCC unroll 8
     for (int j = 0; j < NB * 2; ++j) acc[m][j] = _mm256_setzero_ps();
   for (int64_t k = 0; k < K; ++k) {
+    for (due += lines; due >= K; due -= K) _mm_prefetch(pf.base + 64 * issued++, _MM_HINT_T1);
     __m256 wv[NB * 2];
 #pragma GCC unroll 8
     for (int b = 0; b < NB; ++b) {
@@ -89,31 +98,49 @@ inline void tile(const float* x, int64_t ldx, const W* w, int64_t K, const float
 // Blocks [b0, b1) for rows [0, M): the tile shape follows the rows left, never the arithmetic.
 template <typename W, int MR>
 inline void rows(const float* x, int64_t ldx, const W* w, int64_t K, const float* bias, float* y,
-                 int64_t ldy, int64_t N, int64_t b0, int64_t b1) {
+                 int64_t ldy, int64_t N, int64_t b0, int64_t b1, Prefetch pf) {
   constexpr int NB = MR == 1 ? 4 : MR == 2 ? 2 : 1;
+  // Each tile prefetches its share of pf, in proportion to its blocks.
+  auto share = [&](int64_t b, int64_t nb) {
+    const int64_t lo = pf.bytes * (b - b0) / (b1 - b0), hi = pf.bytes * (b - b0 + nb) / (b1 - b0);
+    return Prefetch{pf.base + lo, hi - lo};
+  };
   int64_t b = b0;
-  for (; b + NB <= b1; b += NB) tile<W, MR, NB>(x, ldx, w + b * K * kBlock, K, bias, y, ldy, b * kBlock, N);
-  for (; b < b1; ++b) tile<W, MR, 1>(x, ldx, w + b * K * kBlock, K, bias, y, ldy, b * kBlock, N);
+  for (; b + NB <= b1; b += NB)
+    tile<W, MR, NB>(x, ldx, w + b * K * kBlock, K, bias, y, ldy, b * kBlock, N, share(b, NB));
+  for (; b < b1; ++b) tile<W, MR, 1>(x, ldx, w + b * K * kBlock, K, bias, y, ldy, b * kBlock, N, share(b, 1));
 }
 
 template <typename W>
 void linear_impl(const float* x, int64_t ldx, const W* w, int64_t K, int64_t NB, const float* bias,
                  float* y, int64_t M, int64_t N) {
-  // Weight blocks per chunk: a chunk (about 256 KiB) stays in L2 while every row tile passes over it.
-  const int64_t chunk = std::max<int64_t>(1, (256 << 10) / (K * kBlock * int64_t(sizeof(W))));
+  // Weight blocks per chunk: a chunk (about 128 KiB) stays in L2 while every row tile passes over it, and
+  // holds whole four-block tiles (one row's widest).
+  const int64_t block_bytes = K * kBlock * int64_t(sizeof(W));
+  const int64_t chunk = std::max<int64_t>(4, ((128 << 10) / block_bytes + 2) / 4 * 4);
+  // Row passes over a chunk after the first find it in L2, so they compute without reading memory: each
+  // pass prefetches its share of the next chunk, and memory streams while they do.
+  const int64_t passes = (M + 5) / 6;
   at::parallel_for(0, NB, 1, [&](int64_t begin, int64_t end) {
     for (int64_t c0 = begin; c0 < end; c0 += chunk) {
-      int64_t c1 = std::min(end, c0 + chunk);
+      const int64_t c1 = std::min(end, c0 + chunk), c2 = std::min(end, c1 + chunk);
+      const char* next = reinterpret_cast<const char*>(w + c1 * K * kBlock);
+      const int64_t next_bytes = (c2 - c1) * block_bytes;
+      auto pass = [&](int64_t i) {
+        const int64_t lo = next_bytes * i / passes, hi = next_bytes * (i + 1) / passes;
+        return Prefetch{next + lo, hi - lo};
+      };
       int64_t m = 0;
-      for (; m + 6 <= M; m += 6) rows<W, 6>(x + m * ldx, ldx, w, K, bias, y + m * N, N, N, c0, c1);
+      for (; m + 6 <= M; m += 6) rows<W, 6>(x + m * ldx, ldx, w, K, bias, y + m * N, N, N, c0, c1, pass(m / 6));
       const float* xm = x + m * ldx;
       float* ym = y + m * N;
+      const Prefetch last = pass(m / 6);
       switch (M - m) {
-        case 5: rows<W, 5>(xm, ldx, w, K, bias, ym, N, N, c0, c1); break;
-        case 4: rows<W, 4>(xm, ldx, w, K, bias, ym, N, N, c0, c1); break;
-        case 3: rows<W, 3>(xm, ldx, w, K, bias, ym, N, N, c0, c1); break;
-        case 2: rows<W, 2>(xm, ldx, w, K, bias, ym, N, N, c0, c1); break;
-        case 1: rows<W, 1>(xm, ldx, w, K, bias, ym, N, N, c0, c1); break;
+        case 5: rows<W, 5>(xm, ldx, w, K, bias, ym, N, N, c0, c1, last); break;
+        case 4: rows<W, 4>(xm, ldx, w, K, bias, ym, N, N, c0, c1, last); break;
+        case 3: rows<W, 3>(xm, ldx, w, K, bias, ym, N, N, c0, c1, last); break;
+        case 2: rows<W, 2>(xm, ldx, w, K, bias, ym, N, N, c0, c1, last); break;
+        case 1: rows<W, 1>(xm, ldx, w, K, bias, ym, N, N, c0, c1, last); break;
         default: break;
       }
     }
