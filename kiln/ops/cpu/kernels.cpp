@@ -208,14 +208,14 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(_mm_add_ss(s, _mm_shuffle_ps(s, s, 1)));
 }
 
-constexpr int kRows = 4;  // query rows of one request attended together: they share each K/V load
+constexpr int kRows = 4;  // query rows of one request and kv head attended together: they share each K/V load
 
 // s[r][j] = scale * q_r . k_j for rows r < R and keys j in [j0, j1), `stride` apart. Each score is one FMA
 // chain over d, then summed in a fixed order: the same whichever rows and keys share its pass.
 template <typename KV, int R>
 inline void tile_scores(const float* const* q, const KV* k, int64_t stride, int64_t j0, int64_t j1, int64_t D,
                         float scale, float (*s)[64]) {
-  constexpr int P = R == 1 ? 4 : 2;  // keys per pass
+  constexpr int P = R <= 2 ? 4 : R == 3 ? 3 : 2;  // keys per pass: R * P accumulators
   const int64_t vec = D / 8 * 8;
   auto finish = [&](__m256 a, int r, int64_t j) {
     float x = hsum(a);
@@ -330,70 +330,72 @@ struct Layout {
 // Request b's row t (a flat row index) sits at position offset(L, b) + t.
 inline int64_t offset(const Layout& L, int64_t b) { return L.seq_lens[b] - (L.qsl[b + 1] - L.qsl[b]) - L.qsl[b]; }
 
-// Rows t0 .. t0 + R - 1 of request `b` (consecutive, so at consecutive positions), query heads [g0, g1)
-// of kv head `kvh`. Each row walks its own context, [first, position], in KV-cache blocks cut into pieces
-// of at most 64 keys at fixed offsets, with an online softmax: a row's arithmetic depends on its position
-// alone, never on the rows it is grouped with.
+// A query row of one head: flat row index t (request b's row t sits at position offset(L, b) + t), head h.
+struct Row {
+  int64_t t, h;
+};
+
+// R query rows of request `b`, all of kv head `kvh`: rows of one head at consecutive positions (prefill)
+// or one position's query heads (decode), which share every K/V load. Each row walks its own context,
+// [first, position], in KV-cache blocks cut into pieces of at most 64 keys at fixed offsets, with an online
+// softmax: a row's arithmetic depends on its position alone, never on the rows it is grouped with.
 template <typename KV, int R>
-void attend(const Layout& L, const float* q, const KV* kv, float* out, int64_t b, int64_t t0, int64_t kvh,
-            int64_t g0, int64_t g1, int64_t H, float* acc) {
+void attend(const Layout& L, const float* q, const KV* kv, float* out, int64_t b, const Row* rows, int64_t kvh,
+            int64_t H, bool fetch, float* acc) {
   const int64_t D = L.D, bs = L.bs, row = L.kvh_count * D;
   const int32_t* table = L.table + b * L.table_width;
   constexpr float inf = std::numeric_limits<float>::infinity();
   int64_t pos[R], lo[R];
+  const float* qr[R];
   for (int r = 0; r < R; ++r) {
-    pos[r] = offset(L, b) + t0 + r;
+    pos[r] = offset(L, b) + rows[r].t;
     lo[r] = L.window > 0 ? std::max<int64_t>(0, pos[r] - L.window + 1) : 0;
+    qr[r] = q + (rows[r].t * H + rows[r].h) * D;
   }
-  const int64_t first = lo[0] / bs, last = pos[R - 1] / bs;
+  const int64_t first = *std::min_element(lo, lo + R) / bs, last = *std::max_element(pos, pos + R) / bs;
   auto block = [&](int64_t blk) { return kv + (int64_t(table[blk]) * 2 * bs) * row + kvh * D; };
   alignas(32) float s[R][64];
   alignas(32) float e[R][64];
-  for (int64_t g = g0; g < g1; ++g) {
-    const int64_t h = kvh * L.group + g;
-    const float* qr[R];
-    for (int r = 0; r < R; ++r) qr[r] = q + ((t0 + r) * H + h) * D;
-    std::fill(acc, acc + R * D, 0.0f);
-    float m[R], l[R], alpha[R];
-    for (int r = 0; r < R; ++r) m[r] = -inf, l[r] = 0.0f, alpha[r] = 1.0f;
-    // The item's first query head fetches the blocks; its other heads find them in L2.
-    if (g == g0)
-      for (int64_t blk = first; blk < std::min(first + kAhead, last + 1); ++blk) prefetch_block(block(blk), bs, row, D);
-    for (int64_t blk = first; blk <= last; ++blk) {
-      const KV* kb = block(blk);
-      const KV* vb = kb + bs * row;
-      if (g == g0 && blk + kAhead <= last) prefetch_block(block(blk + kAhead), bs, row, D);
-      for (int64_t c0 = 0; c0 < bs; c0 += 64) {
-        const int64_t base = blk * bs + c0, len = std::min<int64_t>(64, bs - c0);
-        int64_t v0[R], v1[R], u0 = len, u1 = 0;
-        for (int r = 0; r < R; ++r) {
-          v0[r] = std::clamp<int64_t>(lo[r] - base, 0, len);
-          v1[r] = std::clamp<int64_t>(pos[r] + 1 - base, 0, len);
-          if (v0[r] < v1[r]) u0 = std::min(u0, v0[r]), u1 = std::max(u1, v1[r]);
-        }
-        if (u0 >= u1) continue;
-        tile_scores<KV, R>(qr, kb + c0 * row, row, u0, u1, D, L.scale, s);
-        for (int r = 0; r < R; ++r) {
-          if (v0[r] >= v1[r]) continue;
-          float mb = -inf;
-          for (int64_t j = v0[r]; j < v1[r]; ++j) mb = std::max(mb, s[r][j]);
-          const float m_new = std::max(m[r], mb);
-          const int64_t a0 = v0[r] / 8 * 8, a1 = (v1[r] + 7) / 8 * 8;
-          for (int64_t j = a0; j < a1; ++j) e[r][j] = j >= v0[r] && j < v1[r] ? s[r][j] - m_new : -inf;
-          for (int64_t j = a0; j < a1; j += 8) _mm256_store_ps(e[r] + j, exp8(_mm256_load_ps(e[r] + j)));
-          alpha[r] = exp1(m[r] - m_new);
-          l[r] *= alpha[r];
-          for (int64_t j = v0[r]; j < v1[r]; ++j) l[r] += e[r][j];
-          m[r] = m_new;
-        }
-        tile_accumulate<KV, R>(acc, alpha, e, v0, v1, vb + c0 * row, row, u0, u1, D);
+  std::fill(acc, acc + R * D, 0.0f);
+  float m[R], l[R], alpha[R];
+  for (int r = 0; r < R; ++r) m[r] = -inf, l[r] = 0.0f, alpha[r] = 1.0f;
+  // An item's first rows fetch the blocks; its later rows find them in L2.
+  if (fetch)
+    for (int64_t blk = first; blk < std::min(first + kAhead, last + 1); ++blk) prefetch_block(block(blk), bs, row, D);
+  for (int64_t blk = first; blk <= last; ++blk) {
+    const KV* kb = block(blk);
+    const KV* vb = kb + bs * row;
+    if (fetch && blk + kAhead <= last) prefetch_block(block(blk + kAhead), bs, row, D);
+    for (int64_t c0 = 0; c0 < bs; c0 += 64) {
+      const int64_t base = blk * bs + c0, len = std::min<int64_t>(64, bs - c0);
+      int64_t v0[R], v1[R], u0 = len, u1 = 0;
+      for (int r = 0; r < R; ++r) {
+        v0[r] = std::clamp<int64_t>(lo[r] - base, 0, len);
+        v1[r] = std::clamp<int64_t>(pos[r] + 1 - base, 0, len);
+        if (v0[r] < v1[r]) u0 = std::min(u0, v0[r]), u1 = std::max(u1, v1[r]);
       }
+      if (u0 >= u1) continue;
+      tile_scores<KV, R>(qr, kb + c0 * row, row, u0, u1, D, L.scale, s);
+      for (int r = 0; r < R; ++r) {
+        if (v0[r] >= v1[r]) continue;
+        float mb = -inf;
+        for (int64_t j = v0[r]; j < v1[r]; ++j) mb = std::max(mb, s[r][j]);
+        const float m_new = std::max(m[r], mb);
+        const int64_t a0 = v0[r] / 8 * 8, a1 = (v1[r] + 7) / 8 * 8;
+        for (int64_t j = a0; j < a1; ++j) e[r][j] = j >= v0[r] && j < v1[r] ? s[r][j] - m_new : -inf;
+        for (int64_t j = a0; j < a1; j += 8) _mm256_store_ps(e[r] + j, exp8(_mm256_load_ps(e[r] + j)));
+        alpha[r] = exp1(m[r] - m_new);
+        l[r] *= alpha[r];
+        for (int64_t j = v0[r]; j < v1[r]; ++j) l[r] += e[r][j];
+        m[r] = m_new;
+      }
+      tile_accumulate<KV, R>(acc, alpha, e, v0, v1, vb + c0 * row, row, u0, u1, D);
     }
-    for (int r = 0; r < R; ++r) {
-      float* o = out + ((t0 + r) * H + h) * D;
-      const float inv = 1.0f / l[r];
-      for (int64_t d = 0; d < D; ++d) o[d] = acc[r * D + d] * inv;
-    }
+  }
+  for (int r = 0; r < R; ++r) {
+    float* o = out + (rows[r].t * H + rows[r].h) * D;
+    const float inv = 1.0f / l[r];
+    for (int64_t d = 0; d < D; ++d) o[d] = acc[r * D + d] * inv;
   }
 }
 
@@ -440,15 +442,23 @@ at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& kv_cache, c
 #pragma omp parallel num_threads(int(std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), items))))
     {
       std::vector<float> acc(kRows * D);
+      std::vector<Row> rows(kRows * L.group);
 #pragma omp for schedule(dynamic, 1)
       for (int64_t i = 0; i < items; ++i) {
-        const auto [b, t0, rows] = groups[i / (KVH * split)];
+        const auto [b, t0, n_rows] = groups[i / (KVH * split)];
         const int64_t kvh = (i / split) % KVH, g0 = (i % split) * per, g1 = g0 + per;
-        switch (rows) {
-          case 4: attend<KV, 4>(L, qp, kv, op, b, t0, kvh, g0, g1, H, acc.data()); break;
-          case 3: attend<KV, 3>(L, qp, kv, op, b, t0, kvh, g0, g1, H, acc.data()); break;
-          case 2: attend<KV, 2>(L, qp, kv, op, b, t0, kvh, g0, g1, H, acc.data()); break;
-          default: attend<KV, 1>(L, qp, kv, op, b, t0, kvh, g0, g1, H, acc.data()); break;
+        // The item's rows, head by head, attended kRows at a time: a decode's query heads share a pass.
+        int64_t count = 0;
+        for (int64_t g = g0; g < g1; ++g)
+          for (int64_t r = 0; r < n_rows; ++r) rows[count++] = {t0 + r, kvh * L.group + g};
+        for (int64_t r0 = 0; r0 < count; r0 += kRows) {
+          const Row* chunk = rows.data() + r0;
+          switch (std::min<int64_t>(kRows, count - r0)) {
+            case 4: attend<KV, 4>(L, qp, kv, op, b, chunk, kvh, H, r0 == 0, acc.data()); break;
+            case 3: attend<KV, 3>(L, qp, kv, op, b, chunk, kvh, H, r0 == 0, acc.data()); break;
+            case 2: attend<KV, 2>(L, qp, kv, op, b, chunk, kvh, H, r0 == 0, acc.data()); break;
+            default: attend<KV, 1>(L, qp, kv, op, b, chunk, kvh, H, r0 == 0, acc.data()); break;
+          }
         }
       }
     }
