@@ -2,7 +2,9 @@
 ignore_eos) on the default model; after 30 steps (every prompt prefilled) it times 30 steps, then runs
 10 more under the torch profiler and prints the ops by self time.
 
-    .venv/bin/python perf/step_profile.py --batch 16 [--batch 1 64 ...]
+    .venv/bin/python perf/step_profile.py --batch 16 [--batch 1 64 ...] [--time-only]
+
+`--time-only` skips the profiler (for before/after step times: PYTHONPATH=<worktree> times another commit).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batch", type=int, nargs="+", default=[16])
     ap.add_argument("--rows", type=int, default=15, help="profiler table rows")
+    ap.add_argument("--time-only", action="store_true", help="step times alone, no profiler")
     args = ap.parse_args()
     engine = LLM("default", max_model_len=2048, kv_cache_gib=1).engine
     for b in args.batch:
@@ -37,6 +40,10 @@ def main() -> None:
             times.append(time.perf_counter() - clock)
         step = statistics.median(times)
         print(f"batch {b}: step median {step * 1e3:.2f} ms, {b / step:.1f} tok/s")
+        if args.time_only:
+            while engine.has_unfinished():
+                engine.step()
+            continue
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             for _ in range(10):
                 engine.step()
