@@ -2,7 +2,8 @@
 LM head at batch sizes 1 to 512, paged attention for decode and prefill, and the structured-output mask
 against xgrammar's CPU kernel (random bitmasks over the 49,152-token vocabulary).
 
-    .venv/bin/python perf/cpu_kernels.py [--threads 2] [--out perf/results/cpu_kernels.json]
+    .venv/bin/python perf/cpu_kernels.py [--threads 2] [--parts linear attention mask]
+        [--out perf/results/cpu_kernels.json]
 
 Linear, per shape and rows M, in ms per call (median of repeated runs for ~0.3 s each):
 - torch-16: what kiln ran before its CPU kernels: torch's 16-bit GEMV for one row, else the 16-bit weight
@@ -114,15 +115,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", type=Path)
+    parts = {"linear": linear_rows, "attention": attention_rows, "mask": mask_rows}
+    ap.add_argument("--parts", nargs="+", choices=list(parts), default=list(parts))
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     native.load()
-    result = {
-        "threads": args.threads,
-        "linear": linear_rows(),
-        "attention": attention_rows(),
-        "mask": mask_rows(),
-    }
+    result: dict[str, object] = {"threads": args.threads}
+    result.update({name: parts[name]() for name in args.parts})
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(result, indent=1))
