@@ -335,10 +335,11 @@ struct Row {
   int64_t t, h;
 };
 
-// R query rows of request `b`, all of kv head `kvh`: rows of one head at consecutive positions (prefill)
-// or one position's query heads (decode), which share every K/V load. Each row walks its own context,
-// [first, position], in KV-cache blocks cut into pieces of at most 64 keys at fixed offsets, with an online
-// softmax: a row's arithmetic depends on its position alone, never on the rows it is grouped with.
+// R query rows of request `b`, all of kv head `kvh`, sharing every K/V load: rows of one head at consecutive
+// positions (prefill), one position's query heads (decode), or a short group's rows of two heads. Each row
+// walks its own context, [first, position], in KV-cache blocks cut into pieces of at most 64 keys at fixed
+// offsets, with an online softmax: a row's arithmetic depends on its position alone, never on the rows it
+// is grouped with (the pass spans the union of their contexts, and each row masks the rest).
 template <typename KV, int R>
 void attend(const Layout& L, const float* q, const KV* kv, float* out, int64_t b, const Row* rows, int64_t kvh,
             int64_t H, bool fetch, float* acc) {
