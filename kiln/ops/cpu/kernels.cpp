@@ -210,13 +210,35 @@ inline float hsum(__m256 v) {
 
 constexpr int kRows = 4;  // query rows of one request and kv head attended together: they share each K/V load
 
+// Eight vectors' lane sums, each in hsum's order ((x0 + x4) + (x2 + x6)) + ((x1 + x5) + (x3 + x7)), as one
+// vector [sum x[0], ..., sum x[7]]: a score is the same number whether it was reduced alone or with others.
+inline __m256 hsum8(const __m256* x) {
+  __m256 t[4];
+  for (int i = 0; i < 4; ++i)
+    t[i] = _mm256_add_ps(_mm256_permute2f128_ps(x[i], x[i + 4], 0x20), _mm256_permute2f128_ps(x[i], x[i + 4], 0x31));
+  __m256 y[2];
+  for (int i = 0; i < 2; ++i)
+    y[i] = _mm256_add_ps(_mm256_shuffle_ps(t[2 * i], t[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm256_shuffle_ps(t[2 * i], t[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  return _mm256_hadd_ps(y[0], y[1]);
+}
+
+#ifdef __AVX512VL__
+constexpr int kVectorRegisters = 32;
+#else
+constexpr int kVectorRegisters = 16;
+#endif
+
 // s[r][j] = scale * q_r . k_j for rows r < R and keys j in [j0, j1), `stride` apart. Each score is one FMA
-// chain over d, then summed in a fixed order: the same whichever rows and keys share its pass.
+// chain over d, then summed in hsum's order: the same whichever rows and keys share its pass.
 template <typename KV, int R>
 inline void tile_scores(const float* const* q, const KV* k, int64_t stride, int64_t j0, int64_t j1, int64_t D,
                         float scale, float (*s)[64]) {
-  constexpr int P = R <= 2 ? 4 : R == 3 ? 3 : 2;  // keys per pass: R * P accumulators
+  // Keys per pass: R * P accumulators, P key vectors and a query vector in registers.
+  constexpr int P = kVectorRegisters == 32 ? (R <= 2 ? 8 : 4) : (R <= 2 ? 4 : R == 3 ? 3 : 2);
+  constexpr int N = R * P;
   const int64_t vec = D / 8 * 8;
+  const __m256 vscale = _mm256_set1_ps(scale);
   auto finish = [&](__m256 a, int r, int64_t j) {
     float x = hsum(a);
     for (int64_t t = vec; t < D; ++t) x = std::fma(q[r][t], load1(k + j * stride + t), x);
@@ -224,26 +246,41 @@ inline void tile_scores(const float* const* q, const KV* k, int64_t stride, int6
   };
   int64_t j = j0;
   for (; j + P <= j1; j += P) {
-    __m256 a[R][P];
-#pragma GCC unroll 4
-    for (int r = 0; r < R; ++r)
-#pragma GCC unroll 4
-      for (int p = 0; p < P; ++p) a[r][p] = _mm256_setzero_ps();
+    __m256 a[N];
+#pragma GCC unroll 32
+    for (int i = 0; i < N; ++i) a[i] = _mm256_setzero_ps();
     for (int64_t d = 0; d < vec; d += 8) {
       __m256 kv[P];
-#pragma GCC unroll 4
+#pragma GCC unroll 8
       for (int p = 0; p < P; ++p) kv[p] = load8(k + (j + p) * stride + d);
 #pragma GCC unroll 4
       for (int r = 0; r < R; ++r) {
         const __m256 qv = _mm256_loadu_ps(q[r] + d);
-#pragma GCC unroll 4
-        for (int p = 0; p < P; ++p) a[r][p] = _mm256_fmadd_ps(qv, kv[p], a[r][p]);
+#pragma GCC unroll 8
+        for (int p = 0; p < P; ++p) a[r * P + p] = _mm256_fmadd_ps(qv, kv[p], a[r * P + p]);
       }
     }
-#pragma GCC unroll 4
-    for (int r = 0; r < R; ++r)
-#pragma GCC unroll 4
-      for (int p = 0; p < P; ++p) finish(a[r][p], r, j + p);
+    if (vec < D) {
+#pragma GCC unroll 32
+      for (int i = 0; i < N; ++i) finish(a[i], i / P, j + i % P);
+      continue;
+    }
+    int i = 0;
+    for (; i + 8 <= N; i += 8) {
+      const __m256 sums = _mm256_mul_ps(hsum8(a + i), vscale);
+      if constexpr (P == 8) {
+        _mm256_storeu_ps(s[i / P] + j, sums);
+      } else if constexpr (P == 4) {
+        _mm_storeu_ps(s[i / P] + j, _mm256_castps256_ps128(sums));
+        _mm_storeu_ps(s[i / P + 1] + j, _mm256_extractf128_ps(sums, 1));
+      } else {
+        alignas(32) float sum[8];
+        _mm256_store_ps(sum, sums);
+#pragma GCC unroll 8
+        for (int u = 0; u < 8; ++u) s[(i + u) / P][j + (i + u) % P] = sum[u];
+      }
+    }
+    for (; i < N; ++i) finish(a[i], i / P, j + i % P);
   }
   for (; j < j1; ++j) {
 #pragma GCC unroll 4
@@ -258,34 +295,34 @@ inline void tile_scores(const float* const* q, const KV* k, int64_t stride, int6
 // Rows r < R that have keys in this piece: acc_r = acc_r * alpha_r, then acc_r += e_r[j] * v_j for their
 // keys j in order. Each lane is one FMA chain; lanes are grouped (VW vectors, across rows) for loads and
 // registers only.
-template <typename KV, int R>
+template <typename KV, int R, bool Same>
 inline void tile_accumulate(float* acc, const float* alpha, const float (*e)[64], const int64_t* v0,
                             const int64_t* v1, const KV* v, int64_t stride, int64_t u0, int64_t u1, int64_t D) {
-  constexpr int VW = R <= 2 ? 4 : 2;
+  constexpr int VW = kVectorRegisters == 32 ? (R <= 2 ? 8 : 4) : (R <= 2 ? 4 : 2);  // vectors of d per pass
   int64_t d = 0;
   for (; d + 8 * VW <= D; d += 8 * VW) {
     __m256 a[R][VW];
-#pragma GCC unroll 4
+#pragma GCC unroll 8
     for (int r = 0; r < R; ++r)
-#pragma GCC unroll 4
+#pragma GCC unroll 8
       for (int w = 0; w < VW; ++w)
         a[r][w] = _mm256_mul_ps(_mm256_loadu_ps(acc + r * D + d + 8 * w), _mm256_set1_ps(alpha[r]));
     for (int64_t j = u0; j < u1; ++j) {
       __m256 vv[VW];
-#pragma GCC unroll 4
+#pragma GCC unroll 8
       for (int w = 0; w < VW; ++w) vv[w] = load8(v + j * stride + d + 8 * w);
-#pragma GCC unroll 4
+#pragma GCC unroll 8
       for (int r = 0; r < R; ++r) {
-        if (j < v0[r] || j >= v1[r]) continue;
+        if (!Same && (j < v0[r] || j >= v1[r])) continue;
         const __m256 ev = _mm256_set1_ps(e[r][j]);
-#pragma GCC unroll 4
+#pragma GCC unroll 8
         for (int w = 0; w < VW; ++w) a[r][w] = _mm256_fmadd_ps(ev, vv[w], a[r][w]);
       }
     }
-#pragma GCC unroll 4
+#pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
-      if (v0[r] >= v1[r]) continue;
-#pragma GCC unroll 4
+      if (!Same && v0[r] >= v1[r]) continue;
+#pragma GCC unroll 8
       for (int w = 0; w < VW; ++w) _mm256_storeu_ps(acc + r * D + d + 8 * w, a[r][w]);
     }
   }
@@ -358,7 +395,7 @@ void attend(const Layout& L, const float* q, const KV* kv, float* out, int64_t b
   alignas(32) float s[R][64];
   alignas(32) float e[R][64];
   std::fill(acc, acc + R * D, 0.0f);
-  float m[R], l[R], alpha[R];
+  float m[R], l[R], alpha[R], shift[8] = {};
   for (int r = 0; r < R; ++r) m[r] = -inf, l[r] = 0.0f, alpha[r] = 1.0f;
   // An item's first rows fetch the blocks; its later rows find them in L2.
   if (fetch)
@@ -377,20 +414,48 @@ void attend(const Layout& L, const float* q, const KV* kv, float* out, int64_t b
       }
       if (u0 >= u1) continue;
       tile_scores<KV, R>(qr, kb + c0 * row, row, u0, u1, D, L.scale, s);
+      // e[r][j] = e^(s[r][j] - m_new) on row r's keys and 0 on the rest of the pass's keys, so that the rows'
+      // sums of e run side by side with no branch (adding 0 leaves a sum as it was).
+      const int64_t w0 = u0 / 8 * 8, w1 = (u1 + 7) / 8 * 8;
       for (int r = 0; r < R; ++r) {
-        if (v0[r] >= v1[r]) continue;
-        float mb = -inf;
-        for (int64_t j = v0[r]; j < v1[r]; ++j) mb = std::max(mb, s[r][j]);
-        const float m_new = std::max(m[r], mb);
-        const int64_t a0 = v0[r] / 8 * 8, a1 = (v1[r] + 7) / 8 * 8;
-        for (int64_t j = a0; j < a1; ++j) e[r][j] = j >= v0[r] && j < v1[r] ? s[r][j] - m_new : -inf;
-        for (int64_t j = a0; j < a1; j += 8) _mm256_store_ps(e[r] + j, exp8(_mm256_load_ps(e[r] + j)));
-        alpha[r] = exp1(m[r] - m_new);
-        l[r] *= alpha[r];
-        for (int64_t j = v0[r]; j < v1[r]; ++j) l[r] += e[r][j];
+        if (v0[r] >= v1[r]) {
+          alpha[r] = 1.0f, shift[r] = 0.0f;
+          for (int64_t j = w0; j < w1; j += 8) _mm256_store_ps(e[r] + j, _mm256_setzero_ps());
+          continue;
+        }
+        const __m256i first_key = _mm256_set1_epi32(int(v0[r]) - 1), end_key = _mm256_set1_epi32(int(v1[r]));
+        auto keys = [&](int64_t j) {
+          const __m256i at = _mm256_add_epi32(_mm256_set1_epi32(int(j)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+          return _mm256_castsi256_ps(_mm256_and_si256(_mm256_cmpgt_epi32(at, first_key), _mm256_cmpgt_epi32(end_key, at)));
+        };
+        __m256 mv = _mm256_set1_ps(-inf);
+        for (int64_t j = w0; j < w1; j += 8)
+          mv = _mm256_max_ps(mv, _mm256_blendv_ps(_mm256_set1_ps(-inf), _mm256_load_ps(s[r] + j), keys(j)));
+        alignas(32) float lanes[8];
+        _mm256_store_ps(lanes, mv);
+        const float m_new = std::max(m[r], *std::max_element(lanes, lanes + 8));
+        const __m256 mn = _mm256_set1_ps(m_new);
+        for (int64_t j = w0; j < w1; j += 8) {
+          const __m256 x = _mm256_sub_ps(_mm256_load_ps(s[r] + j), mn);
+          _mm256_store_ps(e[r] + j, exp8(_mm256_blendv_ps(_mm256_set1_ps(-inf), x, keys(j))));
+        }
+        shift[r] = m[r] - m_new;
         m[r] = m_new;
       }
-      tile_accumulate<KV, R>(acc, alpha, e, v0, v1, vb + c0 * row, row, u0, u1, D);
+      // Every row's rescale e^(m_old - m_new) from one vector exp (lanes are rows; each lane's value is
+      // the one a lone row gets).
+      alignas(32) float scaled[8];
+      _mm256_store_ps(scaled, exp8(_mm256_loadu_ps(shift)));
+      for (int r = 0; r < R; ++r)
+        if (v0[r] < v1[r]) alpha[r] = scaled[r], l[r] *= alpha[r];
+      for (int64_t j = u0; j < u1; ++j)
+#pragma GCC unroll 4
+        for (int r = 0; r < R; ++r) l[r] += e[r][j];
+      // Rows whose keys are all the pass's keys (every piece but a prefill's last) skip the per-key test.
+      if (std::all_of(v0, v0 + R, [&](int64_t x) { return x == u0; }) && std::all_of(v1, v1 + R, [&](int64_t x) { return x == u1; }))
+        tile_accumulate<KV, R, true>(acc, alpha, e, v0, v1, vb + c0 * row, row, u0, u1, D);
+      else
+        tile_accumulate<KV, R, false>(acc, alpha, e, v0, v1, vb + c0 * row, row, u0, u1, D);
     }
   }
   for (int r = 0; r < R; ++r) {
