@@ -196,12 +196,6 @@ inline __m256 exp8(__m256 x) {
   return _mm256_andnot_ps(under, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
 }
 
-inline float exp1(float x) {
-  alignas(32) float out[8];
-  _mm256_store_ps(out, exp8(_mm256_set1_ps(x)));
-  return out[0];
-}
-
 inline float hsum(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -452,7 +446,9 @@ void attend(const Layout& L, const float* q, const KV* kv, float* out, int64_t b
 #pragma GCC unroll 4
         for (int r = 0; r < R; ++r) l[r] += e[r][j];
       // Rows whose keys are all the pass's keys (every piece but a prefill's last) skip the per-key test.
-      if (std::all_of(v0, v0 + R, [&](int64_t x) { return x == u0; }) && std::all_of(v1, v1 + R, [&](int64_t x) { return x == u1; }))
+      const bool same = std::all_of(v0, v0 + R, [&](int64_t x) { return x == u0; }) &&
+                        std::all_of(v1, v1 + R, [&](int64_t x) { return x == u1; });
+      if (same)
         tile_accumulate<KV, R, true>(acc, alpha, e, v0, v1, vb + c0 * row, row, u0, u1, D);
       else
         tile_accumulate<KV, R, false>(acc, alpha, e, v0, v1, vb + c0 * row, row, u0, u1, D);
