@@ -288,7 +288,7 @@ inline void tile_scores(const float* const* q, const KV* k, int64_t stride, int6
 
 // Rows r < R that have keys in this piece: acc_r = acc_r * alpha_r, then acc_r += e_r[j] * v_j for their
 // keys j in order. Each lane is one FMA chain; lanes are grouped (VW vectors, across rows) for loads and
-// registers only.
+// registers only. Same: every row's keys are [u0, u1).
 template <typename KV, int R, bool Same>
 inline void tile_accumulate(float* acc, const float* alpha, const float (*e)[64], const int64_t* v0,
                             const int64_t* v1, const KV* v, int64_t stride, int64_t u0, int64_t u1, int64_t D) {
@@ -445,7 +445,8 @@ void attend(const Layout& L, const float* q, const KV* kv, float* out, int64_t b
       for (int64_t j = u0; j < u1; ++j)
 #pragma GCC unroll 4
         for (int r = 0; r < R; ++r) l[r] += e[r][j];
-      // Rows whose keys are all the pass's keys (every piece but a prefill's last) skip the per-key test.
+      // When every row's keys are all the pass's keys (most pieces: not a prefill's last, nor a sliding
+      // window's first), the V pass skips its per-key test.
       const bool same = std::all_of(v0, v0 + R, [&](int64_t x) { return x == u0; }) &&
                         std::all_of(v1, v1 + R, [&](int64_t x) { return x == u1; });
       if (same)
