@@ -92,6 +92,11 @@ class Backend:
         if self.attention == "cpu":
             from kiln.ops.cpu.attention import CPU_ATTENTION
 
+            if block_size % 8:
+                raise ValueError(
+                    f"cache.block_size {block_size}: kiln's CPU attention reads keys 8 at a time, so it "
+                    "needs a multiple of 8 (or backend.attention: torch)"
+                )
             return CPU_ATTENTION
         if self.attention != "flashinfer":
             return TORCH_ATTENTION

@@ -7,6 +7,7 @@ import torch
 
 from kiln.ops.attention import attention as reference_attention
 from kiln.ops.cpu import native
+from kiln.ops.cpu.attention import from_standard, write_kv
 from kiln.ops.matmul import CpuMatmul
 
 
@@ -35,7 +36,10 @@ def _attend(
     i32 = torch.int32
     q_start, seq = torch.tensor(qsl, dtype=i32), torch.tensor(lens, dtype=i32)
     table = torch.tensor(tables, dtype=i32)
-    return torch.ops.kiln_cpu.paged_attention(q, cache, q_start, seq, table, q.shape[-1] ** -0.5, window)
+    kernel_cache = from_standard(cache)
+    return torch.ops.kiln_cpu.paged_attention(
+        q, kernel_cache, q_start, seq, table, q.shape[-1] ** -0.5, window
+    )
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
@@ -69,6 +73,36 @@ def test_attention_rows_do_not_depend_on_chunking_or_neighbours(
         alone = _attend(q[row : row + 1], cache, [0, 1], [ctx - 8 + row], [tables[0]], window)
         assert torch.equal(alone, got[row : row + 1])
     assert torch.equal(_attend(q[9:10], cache, [0, 1], [lens[1]], [tables[1]], window), got[9:10])
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_cpu_cache_writes_are_the_kernels_layout(dtype: torch.dtype) -> None:
+    """The CPU writer puts K/V where the usual writer would, in the kernel's layout; padding slots (-1)
+    land in the last block only."""
+    from kiln.ops.attention import write_kv as standard_write
+
+    torch.manual_seed(0)
+    blocks, bs, kv_heads, dim = 5, 16, 3, 20
+    k, v = torch.randn(7, kv_heads, dim), torch.randn(7, kv_heads, dim)
+    slots = torch.tensor([3, 17, 18, -1, 40, 63, -1])
+    usual, ours = (
+        torch.zeros(blocks + 1, 2, bs, kv_heads, dim, dtype=dtype),
+        torch.zeros(blocks + 1, 2, bs, kv_heads, dim, dtype=dtype),
+    )
+    standard_write(k, v, usual, slots)
+    write_kv(k, v, ours, slots)
+    assert torch.equal(ours[:blocks], from_standard(usual)[:blocks])
+    assert ours[:blocks].count_nonzero() == 5 * 2 * kv_heads * dim
+
+
+def test_cpu_attention_needs_block_size_a_multiple_of_8() -> None:
+    from types import SimpleNamespace
+
+    from kiln.ops.backend import Backend
+
+    heads = SimpleNamespace(num_heads=6, num_kv_heads=2, head_dim=64, sliding_window=0)
+    with pytest.raises(ValueError, match=r"cache\.block_size 12"):
+        Backend("cpu", "cpu", "torch").make_attention(heads, 12, 64, torch.float16, torch.device("cpu"))
 
 
 @pytest.mark.parametrize("vocab", [64, 49152, 1000 + 7])

@@ -2,11 +2,40 @@
 
 Each query row walks its own context in KV-cache blocks from position 0 with an online softmax, so its
 result depends on its context alone: never on the rows beside it, on where chunked prefill split its
-prompt, or on whether its prefix came from the prefix cache (fresh K/V are read back from the cache)."""
+prompt, or on whether its prefix came from the prefix cache (fresh K/V are read back from the cache).
+
+The cache tensor has the usual shape, [num_blocks + 1, 2, block_size, KVH, D], but the kernel's layout
+inside each block: K transposed per kv head, [KVH, D, block_size], so a query's scores for a row of keys
+come from the GEMM micro-kernel's FMA pattern (keys along vector lanes), then V per kv head,
+[KVH, block_size, D]. Only this module writes it and only the kernel reads it."""
 
 import torch
 
-from kiln.ops.attention import AttnMetadata, StepLayout, write_kv
+from kiln.ops.attention import AttnMetadata, StepLayout
+
+
+def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """k, v [T, KVH, D] into their slots, in the layout above. A padding slot (-1) lands in the last
+    block, the padding block, through negative indices: one mask-free scatter that Inductor does in place
+    (two scatters into the cache compile into a copy of all of it)."""
+    _, _, bs, kvh, dim = kv_cache.shape
+    half = bs * kvh * dim
+    blocks = torch.div(slot_mapping, bs, rounding_mode="floor")  # -1 -> -1, the padding block
+    at = (slot_mapping % bs)[:, None, None]
+    start = (blocks * (2 * half))[:, None, None]
+    heads = torch.arange(kvh, device=k.device)[:, None]
+    dims = torch.arange(dim, device=k.device)
+    k_at = start + (heads * dim + dims) * bs + at  # [T, KVH, D]: K^T[h, d, at]
+    v_at = start + half + heads * (bs * dim) + at * dim + dims  # V[h, at, d]
+    kv_cache.view(-1)[torch.cat([k_at, v_at])] = torch.cat([k, v]).to(kv_cache.dtype)
+
+
+def from_standard(cache: torch.Tensor) -> torch.Tensor:
+    """A cache in the usual layout (K and V as [block_size, KVH, D] per block) rewritten in the kernel's."""
+    n, _, bs, kvh, dim = cache.shape
+    k = cache[:, 0].permute(0, 2, 3, 1).reshape(n, bs, kvh, dim)  # [n, KVH, D, bs] memory
+    v = cache[:, 1].permute(0, 2, 1, 3).reshape(n, bs, kvh, dim)  # [n, KVH, bs, D] memory
+    return torch.stack([k, v], dim=1)
 
 
 class CpuAttention:

@@ -16,6 +16,7 @@
 #include <algorithm>
 #include <array>
 #include <type_traits>
+#include <utility>
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -174,7 +175,10 @@ at::Tensor linear(const at::Tensor& x_in, const at::Tensor& w, int64_t n, const 
 }
 
 // ---------------------------------------------------------------------------------------------------
-// Attention.
+// Attention. The cache keeps each block's K transposed per kv head, [KVH, D, bs], and its V as
+// [KVH, bs, D] (kiln/ops/cpu/attention.py writes it): a piece of keys' scores are then one FMA chain over d
+// per key with keys along the vector lanes, the way the linear layers' micro-kernel runs, and no score
+// needs a horizontal sum.
 
 // e^x for eight lanes (Cephes' expf: range reduction by ln 2, degree-5 polynomial); e^-inf = 0.
 inline __m256 exp8(__m256 x) {
@@ -202,19 +206,10 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(_mm_add_ss(s, _mm_shuffle_ps(s, s, 1)));
 }
 
-constexpr int kRows = 4;  // query rows of one request and kv head attended together: they share each K/V load
-
-// Eight vectors' lane sums, each in hsum's order ((x0 + x4) + (x2 + x6)) + ((x1 + x5) + (x3 + x7)), as one
-// vector [sum x[0], ..., sum x[7]]: a score is the same number whether it was reduced alone or with others.
-inline __m256 hsum8(const __m256* x) {
-  __m256 t[4];
-  for (int i = 0; i < 4; ++i)
-    t[i] = _mm256_add_ps(_mm256_permute2f128_ps(x[i], x[i + 4], 0x20), _mm256_permute2f128_ps(x[i], x[i + 4], 0x31));
-  __m256 y[2];
-  for (int i = 0; i < 2; ++i)
-    y[i] = _mm256_add_ps(_mm256_shuffle_ps(t[2 * i], t[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
-                         _mm256_shuffle_ps(t[2 * i], t[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
-  return _mm256_hadd_ps(y[0], y[1]);
+inline float hmax(__m256 v) {
+  __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_max_ss(s, _mm_shuffle_ps(s, s, 1)));
 }
 
 #ifdef __AVX512VL__
@@ -222,129 +217,81 @@ constexpr int kVectorRegisters = 32;
 #else
 constexpr int kVectorRegisters = 16;
 #endif
+// Query rows of one kv head that share a pass over the keys: R rows by two vectors of accumulators, two
+// vectors of K or V and a broadcast, in registers.
+constexpr int kPassRows = (kVectorRegisters - 3) / 2 >= 12 ? 12 : 6;
+constexpr int64_t kPiece = 16;  // keys per online-softmax step: two vectors
 
-// s[r][j] = scale * q_r . k_j for rows r < R and keys j in [j0, j1), `stride` apart. Each score is one FMA
-// chain over d, then summed in hsum's order: the same whichever rows and keys share its pass.
-template <typename KV, int R>
-inline void tile_scores(const float* const* q, const KV* k, int64_t stride, int64_t j0, int64_t j1, int64_t D,
-                        float scale, float (*s)[64]) {
-  // Keys per pass: R * P accumulators, P key vectors and a query vector in registers.
-  constexpr int P = kVectorRegisters == 32 ? (R <= 2 ? 8 : 4) : (R <= 2 ? 4 : R == 3 ? 3 : 2);
-  constexpr int N = R * P;
-  const int64_t vec = D / 8 * 8;
-  const __m256 vscale = _mm256_set1_ps(scale);
-  auto finish = [&](__m256 a, int r, int64_t j) {
-    float x = hsum(a);
-    for (int64_t t = vec; t < D; ++t) x = std::fma(q[r][t], load1(k + j * stride + t), x);
-    s[r][j] = x * scale;
-  };
-  int64_t j = j0;
-  for (; j + P <= j1; j += P) {
-    __m256 a[N];
-#pragma GCC unroll 32
-    for (int i = 0; i < N; ++i) a[i] = _mm256_setzero_ps();
-    for (int64_t d = 0; d < vec; d += 8) {
-      __m256 kv[P];
-#pragma GCC unroll 8
-      for (int p = 0; p < P; ++p) kv[p] = load8(k + (j + p) * stride + d);
+// s[i][r][j] = scale * (q_r . k_j) for keys j < 8 * NV of NP pieces; qt holds the rows' queries as [D, R],
+// kt[i] piece i's K^T rows (bs apart). Each score is one FMA chain over d in order, whichever rows and
+// pieces share the pass (a small pass scores several pieces, for enough independent chains).
+template <typename KV, int R, int NV, int NP>
+inline void piece_scores(const float* qt, const KV* const* kt, int64_t bs, int64_t D, float scale,
+                         float (*s)[R][kPiece]) {
+  __m256 a[NP][R][NV];
 #pragma GCC unroll 4
-      for (int r = 0; r < R; ++r) {
-        const __m256 qv = _mm256_loadu_ps(q[r] + d);
-#pragma GCC unroll 8
-        for (int p = 0; p < P; ++p) a[r * P + p] = _mm256_fmadd_ps(qv, kv[p], a[r * P + p]);
-      }
-    }
-    if (vec < D) {
-#pragma GCC unroll 32
-      for (int i = 0; i < N; ++i) finish(a[i], i / P, j + i % P);
-      continue;
-    }
-    int i = 0;
-    for (; i + 8 <= N; i += 8) {
-      const __m256 sums = _mm256_mul_ps(hsum8(a + i), vscale);
-      if constexpr (P == 8) {
-        _mm256_storeu_ps(s[i / P] + j, sums);
-      } else if constexpr (P == 4) {
-        _mm_storeu_ps(s[i / P] + j, _mm256_castps256_ps128(sums));
-        _mm_storeu_ps(s[i / P + 1] + j, _mm256_extractf128_ps(sums, 1));
-      } else {
-        alignas(32) float sum[8];
-        _mm256_store_ps(sum, sums);
-#pragma GCC unroll 8
-        for (int u = 0; u < 8; ++u) s[(i + u) / P][j + (i + u) % P] = sum[u];
-      }
-    }
-    for (; i < N; ++i) finish(a[i], i / P, j + i % P);
-  }
-  for (; j < j1; ++j) {
-#pragma GCC unroll 4
-    for (int r = 0; r < R; ++r) {
-      __m256 a = _mm256_setzero_ps();
-      for (int64_t d = 0; d < vec; d += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(q[r] + d), load8(k + j * stride + d), a);
-      finish(a, r, j);
-    }
-  }
-}
-
-// Rows r < R that have keys in this piece: acc_r = acc_r * alpha_r, then acc_r += e_r[j] * v_j for their
-// keys j in order. Each lane is one FMA chain; lanes are grouped (VW vectors, across rows) for loads and
-// registers only. Same: every row's keys are [u0, u1).
-template <typename KV, int R, bool Same>
-inline void tile_accumulate(float* acc, const float* alpha, const float (*e)[64], const int64_t* v0,
-                            const int64_t* v1, const KV* v, int64_t stride, int64_t u0, int64_t u1, int64_t D) {
-  constexpr int VW = kVectorRegisters == 32 ? (R <= 2 ? 8 : 4) : (R <= 2 ? 4 : 2);  // vectors of d per pass
-  int64_t d = 0;
-  for (; d + 8 * VW <= D; d += 8 * VW) {
-    __m256 a[R][VW];
-#pragma GCC unroll 8
+  for (int i = 0; i < NP; ++i)
+#pragma GCC unroll 16
     for (int r = 0; r < R; ++r)
-#pragma GCC unroll 8
-      for (int w = 0; w < VW; ++w)
-        a[r][w] = _mm256_mul_ps(_mm256_loadu_ps(acc + r * D + d + 8 * w), _mm256_set1_ps(alpha[r]));
-    for (int64_t j = u0; j < u1; ++j) {
-      __m256 vv[VW];
-#pragma GCC unroll 8
-      for (int w = 0; w < VW; ++w) vv[w] = load8(v + j * stride + d + 8 * w);
-#pragma GCC unroll 8
-      for (int r = 0; r < R; ++r) {
-        if (!Same && (j < v0[r] || j >= v1[r])) continue;
-        const __m256 ev = _mm256_set1_ps(e[r][j]);
-#pragma GCC unroll 8
-        for (int w = 0; w < VW; ++w) a[r][w] = _mm256_fmadd_ps(ev, vv[w], a[r][w]);
-      }
-    }
-#pragma GCC unroll 8
+#pragma GCC unroll 2
+      for (int p = 0; p < NV; ++p) a[i][r][p] = _mm256_setzero_ps();
+  for (int64_t d = 0; d < D; ++d) {
+    __m256 k[NP][NV];
+#pragma GCC unroll 4
+    for (int i = 0; i < NP; ++i)
+#pragma GCC unroll 2
+      for (int p = 0; p < NV; ++p) k[i][p] = load8(kt[i] + d * bs + 8 * p);
+#pragma GCC unroll 16
     for (int r = 0; r < R; ++r) {
-      if (!Same && v0[r] >= v1[r]) continue;
-#pragma GCC unroll 8
-      for (int w = 0; w < VW; ++w) _mm256_storeu_ps(acc + r * D + d + 8 * w, a[r][w]);
+      const __m256 qd = _mm256_broadcast_ss(qt + d * R + r);
+#pragma GCC unroll 4
+      for (int i = 0; i < NP; ++i)
+#pragma GCC unroll 2
+        for (int p = 0; p < NV; ++p) a[i][r][p] = _mm256_fmadd_ps(qd, k[i][p], a[i][r][p]);
     }
   }
-  for (; d + 8 <= D; d += 8) {
-    for (int r = 0; r < R; ++r) {
-      if (v0[r] >= v1[r]) continue;
-      __m256 a = _mm256_mul_ps(_mm256_loadu_ps(acc + r * D + d), _mm256_set1_ps(alpha[r]));
-      for (int64_t j = v0[r]; j < v1[r]; ++j) a = _mm256_fmadd_ps(_mm256_set1_ps(e[r][j]), load8(v + j * stride + d), a);
-      _mm256_storeu_ps(acc + r * D + d, a);
-    }
-  }
-  for (; d < D; ++d) {
-    for (int r = 0; r < R; ++r) {
-      if (v0[r] >= v1[r]) continue;
-      float a = acc[r * D + d] * alpha[r];
-      for (int64_t j = v0[r]; j < v1[r]; ++j) a = std::fma(e[r][j], load1(v + j * stride + d), a);
-      acc[r * D + d] = a;
-    }
-  }
+  const __m256 vscale = _mm256_set1_ps(scale);
+#pragma GCC unroll 4
+  for (int i = 0; i < NP; ++i)
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r)
+#pragma GCC unroll 2
+      for (int p = 0; p < NV; ++p) _mm256_store_ps(s[i][r] + 8 * p, _mm256_mul_ps(a[i][r][p], vscale));
 }
 
-// Asks for this kv head's K and V rows of a KV-cache block ahead of use: blocks sit anywhere in the cache,
-// so the hardware prefetcher cannot guess the next one, and decode attention otherwise waits on memory.
+// acc_r[d, d + 8 VW) = acc_r * alpha_r + e_r[j] * v_j for keys j in [u0, u1) in order: one FMA chain per lane.
+template <typename KV, int R, int VW>
+inline void piece_values(float* acc, const float* alpha, const float (*e)[kPiece], const KV* v, int64_t D,
+                         int64_t u0, int64_t u1, int64_t d) {
+  __m256 a[R][VW];
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 2
+    for (int w = 0; w < VW; ++w) a[r][w] = _mm256_mul_ps(_mm256_loadu_ps(acc + r * D + d + 8 * w), _mm256_set1_ps(alpha[r]));
+  for (int64_t j = u0; j < u1; ++j) {
+    __m256 vv[VW];
+#pragma GCC unroll 2
+    for (int w = 0; w < VW; ++w) vv[w] = load8(v + j * D + d + 8 * w);
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) {
+      const __m256 ev = _mm256_broadcast_ss(e[r] + j);
+#pragma GCC unroll 2
+      for (int w = 0; w < VW; ++w) a[r][w] = _mm256_fmadd_ps(ev, vv[w], a[r][w]);
+    }
+  }
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 2
+    for (int w = 0; w < VW; ++w) _mm256_storeu_ps(acc + r * D + d + 8 * w, a[r][w]);
+}
+
+// Asks for this kv head's K^T and V of a KV-cache block ahead of use: blocks sit anywhere in the cache, so
+// the hardware prefetcher cannot guess the next one, and decode attention otherwise waits on memory.
 template <typename KV>
-inline void prefetch_block(const KV* kb, int64_t bs, int64_t row, int64_t D) {
-  const int64_t bytes = D * int64_t(sizeof(KV));
-  for (int64_t j = 0; j < 2 * bs; ++j)
-    for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch(reinterpret_cast<const char*>(kb + j * row) + o, _MM_HINT_T1);
+inline void prefetch_block(const KV* kt, const KV* v, int64_t elements) {
+  const int64_t bytes = elements * int64_t(sizeof(KV));
+  for (const KV* p : {kt, v})
+    for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch(reinterpret_cast<const char*>(p) + o, _MM_HINT_T1);
 }
 
 constexpr int64_t kAhead = 3;  // KV-cache blocks prefetched ahead of the one being read
@@ -366,105 +313,141 @@ struct Row {
   int64_t t, h;
 };
 
-// R query rows of request `b`, all of kv head `kvh`, sharing every K/V load: rows of one head at consecutive
-// positions (prefill), one position's query heads (decode), or a short group's rows of two heads. Each row
-// walks its own context, [first, position], in KV-cache blocks cut into pieces of at most 64 keys at fixed
-// offsets, with an online softmax: a row's arithmetic depends on its position alone, never on the rows it
-// is grouped with (the pass spans the union of their contexts, and each row masks the rest).
+// R query rows of request `b`, all of kv head `kvh`, sharing every K/V load: a prefill's rows of the
+// group's heads at consecutive positions, or a decode's query heads. Each row walks its own context,
+// [first, position], in KV-cache blocks cut into pieces of at most kPiece keys at fixed offsets, with an
+// online softmax: a row's arithmetic depends on its position alone, never on the rows it is grouped with
+// (the pass spans the union of their contexts; a row's scores off its own keys are masked, and on keys
+// the pass spans but the row does not, e = 0 adds nothing to its sums).
 template <typename KV, int R>
 void attend(const Layout& L, const float* q, const KV* kv, float* out, int64_t b, const Row* rows, int64_t kvh,
             int64_t H, bool fetch, float* acc) {
-  const int64_t D = L.D, bs = L.bs, row = L.kvh_count * D;
+  const int64_t D = L.D, bs = L.bs, half = bs * L.kvh_count * D;
   const int32_t* table = L.table + b * L.table_width;
   constexpr float inf = std::numeric_limits<float>::infinity();
   int64_t pos[R], lo[R];
-  const float* qr[R];
+  float* qt = acc + R * D;  // the rows' queries as [D, R]: a pass's broadcasts then share one pointer
   for (int r = 0; r < R; ++r) {
     pos[r] = offset(L, b) + rows[r].t;
     lo[r] = L.window > 0 ? std::max<int64_t>(0, pos[r] - L.window + 1) : 0;
-    qr[r] = q + (rows[r].t * H + rows[r].h) * D;
+    const float* qr = q + (rows[r].t * H + rows[r].h) * D;
+    for (int64_t d = 0; d < D; ++d) qt[d * R + r] = qr[d];
   }
   const int64_t first = *std::min_element(lo, lo + R) / bs, last = *std::max_element(pos, pos + R) / bs;
-  auto block = [&](int64_t blk) { return kv + (int64_t(table[blk]) * 2 * bs) * row + kvh * D; };
-  alignas(32) float s[R][64];
-  alignas(32) float e[R][64];
+  auto keys_of = [&](int64_t blk) { return kv + int64_t(table[blk]) * 2 * half + kvh * D * bs; };
+  auto values_of = [&](int64_t blk) { return kv + int64_t(table[blk]) * 2 * half + half + kvh * bs * D; };
+  constexpr int NP = R == 1 ? 4 : R <= 3 ? 2 : 1;
+  alignas(32) float s[NP][R][kPiece];
+  alignas(32) float e[R][kPiece];
+  alignas(32) float shift[16] = {}, alpha[16];
   std::fill(acc, acc + R * D, 0.0f);
-  float m[R], l[R], alpha[R], shift[8] = {};
-  for (int r = 0; r < R; ++r) m[r] = -inf, l[r] = 0.0f, alpha[r] = 1.0f;
+  float m[R];
+  __m256 l[R];
+  for (int r = 0; r < R; ++r) m[r] = -inf, l[r] = _mm256_setzero_ps();
+  // Keys [v0, v1) of row r in the piece at `base`, and their union [u0, u1) (empty: u0 >= u1).
+  struct Span {
+    int64_t v0[R], v1[R], u0, u1;
+  };
+  auto span = [&](int64_t base, int64_t len) {
+    Span k{{}, {}, len, 0};
+    for (int r = 0; r < R; ++r) {
+      k.v0[r] = std::clamp<int64_t>(lo[r] - base, 0, len);
+      k.v1[r] = std::clamp<int64_t>(pos[r] + 1 - base, 0, len);
+      if (k.v0[r] < k.v1[r]) k.u0 = std::min(k.u0, k.v0[r]), k.u1 = std::max(k.u1, k.v1[r]);
+    }
+    return k;
+  };
+  // One online-softmax step over a scored piece: e[r][j] = e^(s[r][j] - m_new) on row r's keys, 0 on the
+  // rest; a row with no keys here keeps its max and gets alpha = e^0 = 1, so its sums pass through
+  // unchanged. Then every row's sums and accumulators take the piece's keys.
+  auto step = [&](const float (*sc)[kPiece], const Span& k, const KV* v) {
+    for (int r = 0; r < R; ++r) {
+      if (k.v0[r] >= k.v1[r]) {
+        shift[r] = 0.0f;
+        _mm256_store_ps(e[r], _mm256_setzero_ps());
+        _mm256_store_ps(e[r] + 8, _mm256_setzero_ps());
+        continue;
+      }
+      const __m256i after_first = _mm256_set1_epi32(int(k.v0[r]) - 1), end = _mm256_set1_epi32(int(k.v1[r]));
+      __m256 x[2];
+      for (int p = 0; p < 2; ++p) {
+        const __m256i at = _mm256_add_epi32(_mm256_set1_epi32(8 * p), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+        const __m256 in = _mm256_castsi256_ps(_mm256_and_si256(_mm256_cmpgt_epi32(at, after_first), _mm256_cmpgt_epi32(end, at)));
+        x[p] = _mm256_blendv_ps(_mm256_set1_ps(-inf), _mm256_load_ps(sc[r] + 8 * p), in);
+      }
+      const float m_new = std::max(m[r], hmax(_mm256_max_ps(x[0], x[1])));
+      const __m256 mn = _mm256_set1_ps(m_new);
+      for (int p = 0; p < 2; ++p) _mm256_store_ps(e[r] + 8 * p, exp8(_mm256_sub_ps(x[p], mn)));
+      shift[r] = m[r] - m_new;
+      m[r] = m_new;
+    }
+    // Every row's rescale e^(m_old - m_new) from vector exps (lanes are rows; each lane's value is the one
+    // a lone row gets).
+    for (int i = 0; i < R; i += 8) _mm256_store_ps(alpha + i, exp8(_mm256_load_ps(shift + i)));
+    for (int r = 0; r < R; ++r)
+      l[r] = _mm256_add_ps(_mm256_add_ps(_mm256_mul_ps(l[r], _mm256_set1_ps(alpha[r])), _mm256_load_ps(e[r])),
+                           _mm256_load_ps(e[r] + 8));
+    int64_t d = 0;
+    for (; d + 16 <= D; d += 16) piece_values<KV, R, 2>(acc, alpha, e, v, D, k.u0, k.u1, d);
+    for (; d + 8 <= D; d += 8) piece_values<KV, R, 1>(acc, alpha, e, v, D, k.u0, k.u1, d);
+    for (; d < D; ++d)
+      for (int r = 0; r < R; ++r) {
+        float a = acc[r * D + d] * alpha[r];
+        for (int64_t j = k.u0; j < k.u1; ++j) a = std::fma(e[r][j], load1(v + j * D + d), a);
+        acc[r * D + d] = a;
+      }
+  };
+  // Pieces with keys are scored NP at a time, then stepped through in order. A piece's lanes past its
+  // keys read on into the cache (the next K^T row, or the block's V half): finite or not, they are masked.
+  const KV* kts[NP];
+  const KV* vs[NP];
+  Span spans[NP];
+  int queued = 0;
+  auto score = [&](auto nv) {
+    constexpr int NV = decltype(nv)::value;
+    if (queued == NP) {
+      piece_scores<KV, R, NV, NP>(qt, kts, bs, D, L.scale, s);
+    } else {
+      for (int i = 0; i < queued; ++i) piece_scores<KV, R, NV, 1>(qt, kts + i, bs, D, L.scale, s + i);
+    }
+  };
+  auto flush = [&]() {
+    if (bs >= kPiece)
+      score(std::integral_constant<int, 2>{});
+    else
+      score(std::integral_constant<int, 1>{});
+    for (int i = 0; i < queued; ++i) step(s[i], spans[i], vs[i]);
+    queued = 0;
+  };
   // An item's first rows fetch the blocks; its later rows find them in L2.
   if (fetch)
-    for (int64_t blk = first; blk < std::min(first + kAhead, last + 1); ++blk) prefetch_block(block(blk), bs, row, D);
+    for (int64_t blk = first; blk < std::min(first + kAhead, last + 1); ++blk)
+      prefetch_block(keys_of(blk), values_of(blk), bs * D);
   for (int64_t blk = first; blk <= last; ++blk) {
-    const KV* kb = block(blk);
-    const KV* vb = kb + bs * row;
-    if (fetch && blk + kAhead <= last) prefetch_block(block(blk + kAhead), bs, row, D);
-    for (int64_t c0 = 0; c0 < bs; c0 += 64) {
-      const int64_t base = blk * bs + c0, len = std::min<int64_t>(64, bs - c0);
-      int64_t v0[R], v1[R], u0 = len, u1 = 0;
-      for (int r = 0; r < R; ++r) {
-        v0[r] = std::clamp<int64_t>(lo[r] - base, 0, len);
-        v1[r] = std::clamp<int64_t>(pos[r] + 1 - base, 0, len);
-        if (v0[r] < v1[r]) u0 = std::min(u0, v0[r]), u1 = std::max(u1, v1[r]);
-      }
-      if (u0 >= u1) continue;
-      tile_scores<KV, R>(qr, kb + c0 * row, row, u0, u1, D, L.scale, s);
-      // e[r][j] = e^(s[r][j] - m_new) on row r's keys and 0 on the rest of the pass's keys, so that the rows'
-      // sums of e run side by side with no branch (adding 0 leaves a sum as it was).
-      const int64_t w0 = u0 / 8 * 8, w1 = (u1 + 7) / 8 * 8;
-      for (int r = 0; r < R; ++r) {
-        if (v0[r] >= v1[r]) {
-          alpha[r] = 1.0f, shift[r] = 0.0f;
-          for (int64_t j = w0; j < w1; j += 8) _mm256_store_ps(e[r] + j, _mm256_setzero_ps());
-          continue;
-        }
-        const __m256i first_key = _mm256_set1_epi32(int(v0[r]) - 1), end_key = _mm256_set1_epi32(int(v1[r]));
-        auto keys = [&](int64_t j) {
-          const __m256i at = _mm256_add_epi32(_mm256_set1_epi32(int(j)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-          return _mm256_castsi256_ps(_mm256_and_si256(_mm256_cmpgt_epi32(at, first_key), _mm256_cmpgt_epi32(end_key, at)));
-        };
-        __m256 mv = _mm256_set1_ps(-inf);
-        for (int64_t j = w0; j < w1; j += 8)
-          mv = _mm256_max_ps(mv, _mm256_blendv_ps(_mm256_set1_ps(-inf), _mm256_load_ps(s[r] + j), keys(j)));
-        alignas(32) float lanes[8];
-        _mm256_store_ps(lanes, mv);
-        const float m_new = std::max(m[r], *std::max_element(lanes, lanes + 8));
-        const __m256 mn = _mm256_set1_ps(m_new);
-        for (int64_t j = w0; j < w1; j += 8) {
-          const __m256 x = _mm256_sub_ps(_mm256_load_ps(s[r] + j), mn);
-          _mm256_store_ps(e[r] + j, exp8(_mm256_blendv_ps(_mm256_set1_ps(-inf), x, keys(j))));
-        }
-        shift[r] = m[r] - m_new;
-        m[r] = m_new;
-      }
-      // Every row's rescale e^(m_old - m_new) from one vector exp (lanes are rows; each lane's value is
-      // the one a lone row gets).
-      alignas(32) float scaled[8];
-      _mm256_store_ps(scaled, exp8(_mm256_loadu_ps(shift)));
-      for (int r = 0; r < R; ++r)
-        if (v0[r] < v1[r]) alpha[r] = scaled[r], l[r] *= alpha[r];
-      for (int64_t j = u0; j < u1; ++j)
-#pragma GCC unroll 4
-        for (int r = 0; r < R; ++r) l[r] += e[r][j];
-      // When every row's keys are all the pass's keys (most pieces: not a prefill's last, nor a sliding
-      // window's first), the V pass skips its per-key test.
-      const bool same = std::all_of(v0, v0 + R, [&](int64_t x) { return x == u0; }) &&
-                        std::all_of(v1, v1 + R, [&](int64_t x) { return x == u1; });
-      if (same)
-        tile_accumulate<KV, R, true>(acc, alpha, e, v0, v1, vb + c0 * row, row, u0, u1, D);
-      else
-        tile_accumulate<KV, R, false>(acc, alpha, e, v0, v1, vb + c0 * row, row, u0, u1, D);
+    if (fetch && blk + kAhead <= last) prefetch_block(keys_of(blk + kAhead), values_of(blk + kAhead), bs * D);
+    for (int64_t c0 = 0; c0 < bs; c0 += kPiece) {
+      const Span k = span(blk * bs + c0, std::min(kPiece, bs - c0));
+      if (k.u0 >= k.u1) continue;
+      kts[queued] = keys_of(blk) + c0, vs[queued] = values_of(blk) + c0 * D, spans[queued] = k;
+      if (++queued == NP) flush();
     }
   }
+  flush();
   for (int r = 0; r < R; ++r) {
     float* o = out + (rows[r].t * H + rows[r].h) * D;
-    const float inv = 1.0f / l[r];
+    const float inv = 1.0f / hsum(l[r]);
     for (int64_t d = 0; d < D; ++d) o[d] = acc[r * D + d] * inv;
   }
 }
 
-// q [T, H, D] float32; kv_cache [blocks, 2, bs, KVH, D]; query_start_loc [B+1], seq_lens [B] and
-// block_table [B, W] int32. Each request's rows are its last q_len positions; rows past the last
-// request (padding) are zero.
+template <typename KV, size_t... I>
+constexpr auto attend_table(std::index_sequence<I...>) {
+  return std::array{&attend<KV, int(I) + 1>...};
+}
+
+// q [T, H, D] float32; kv_cache [blocks, 2, bs, KVH, D] in the layout above; query_start_loc [B+1],
+// seq_lens [B] and block_table [B, W] int32. Each request's rows are its last q_len positions; rows past
+// the last request (padding) are zero.
 at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& kv_cache, const at::Tensor& query_start_loc,
                            const at::Tensor& seq_lens, const at::Tensor& block_table, double scale,
                            int64_t sliding_window) {
@@ -476,17 +459,19 @@ at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& kv_cache, c
   at::Tensor q = q_in.contiguous();
   const int64_t T = q.size(0), H = q.size(1), D = q.size(2), KVH = kv_cache.size(3);
   TORCH_CHECK(kv_cache.size(4) == D && H % KVH == 0, "kiln_cpu::paged_attention: head shapes do not match");
+  TORCH_CHECK(kv_cache.size(2) % 8 == 0, "kiln_cpu::paged_attention: block_size must be a multiple of 8");
   const int64_t B = seq_lens.size(0);
   Layout L{query_start_loc.data_ptr<int32_t>(), seq_lens.data_ptr<int32_t>(), block_table.data_ptr<int32_t>(),
            block_table.size(1), kv_cache.size(2), KVH, D, H / KVH, float(scale), sliding_window};
   at::Tensor out = at::zeros_like(q);
-  // Groups of up to kRows consecutive rows of one request: (request, first row, rows), the longest
-  // contexts first. Threads take work items one at a time: split evenly, a causal prefill's later (longer)
-  // rows would all land on the last thread.
+  // Groups of consecutive rows of one request, as many as fill a pass with the group's heads:
+  // (request, first row, rows), the longest contexts first. Threads take work items one at a time: split
+  // evenly, a causal prefill's later (longer) rows would all land on the last thread.
+  const int64_t span = std::max<int64_t>(1, kPassRows / L.group);
   std::vector<std::array<int64_t, 3>> groups;
   for (int64_t b = 0; b < B; ++b) {
     const int64_t end = std::min<int64_t>(L.qsl[b + 1], T);
-    for (int64_t t = L.qsl[b]; t < end; t += kRows) groups.push_back({b, t, std::min<int64_t>(kRows, end - t)});
+    for (int64_t t = L.qsl[b]; t < end; t += span) groups.push_back({b, t, std::min<int64_t>(span, end - t)});
   }
   auto context = [&](const std::array<int64_t, 3>& g) {
     return offset(L, g[0]) + g[1] + g[2];
@@ -502,26 +487,22 @@ at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& kv_cache, c
   const int64_t items = n * KVH * split;
   auto run = [&](auto* kv) {
     using KV = std::remove_const_t<std::remove_pointer_t<decltype(kv)>>;
+    static constexpr auto passes = attend_table<KV>(std::make_index_sequence<kPassRows>{});
 #pragma omp parallel num_threads(int(std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), items))))
     {
-      std::vector<float> acc(kRows * D);
-      std::vector<Row> rows(kRows * L.group);
+      std::vector<float> work(2 * kPassRows * D);  // a pass's accumulators, then its queries
+      std::vector<Row> rows(span * L.group);
 #pragma omp for schedule(dynamic, 1)
       for (int64_t i = 0; i < items; ++i) {
         const auto [b, t0, n_rows] = groups[i / (KVH * split)];
         const int64_t kvh = (i / split) % KVH, g0 = (i % split) * per, g1 = g0 + per;
-        // The item's rows, head by head, attended kRows at a time: a decode's query heads share a pass.
+        // The item's rows, position by position, attended kPassRows at a time.
         int64_t count = 0;
-        for (int64_t g = g0; g < g1; ++g)
-          for (int64_t r = 0; r < n_rows; ++r) rows[count++] = {t0 + r, kvh * L.group + g};
-        for (int64_t r0 = 0; r0 < count; r0 += kRows) {
-          const Row* chunk = rows.data() + r0;
-          switch (std::min<int64_t>(kRows, count - r0)) {
-            case 4: attend<KV, 4>(L, qp, kv, op, b, chunk, kvh, H, r0 == 0, acc.data()); break;
-            case 3: attend<KV, 3>(L, qp, kv, op, b, chunk, kvh, H, r0 == 0, acc.data()); break;
-            case 2: attend<KV, 2>(L, qp, kv, op, b, chunk, kvh, H, r0 == 0, acc.data()); break;
-            default: attend<KV, 1>(L, qp, kv, op, b, chunk, kvh, H, r0 == 0, acc.data()); break;
-          }
+        for (int64_t r = 0; r < n_rows; ++r)
+          for (int64_t g = g0; g < g1; ++g) rows[count++] = {t0 + r, kvh * L.group + g};
+        for (int64_t r0 = 0; r0 < count; r0 += kPassRows) {
+          const int64_t pass = std::min<int64_t>(kPassRows, count - r0);
+          passes[pass - 1](L, qp, kv, op, b, rows.data() + r0, kvh, H, r0 == 0, work.data());
         }
       }
     }
