@@ -85,10 +85,8 @@ def test_cpu_cache_writes_are_the_kernels_layout(dtype: torch.dtype) -> None:
     blocks, bs, kv_heads, dim = 5, 16, 3, 20
     k, v = torch.randn(7, kv_heads, dim), torch.randn(7, kv_heads, dim)
     slots = torch.tensor([3, 17, 18, -1, 40, 63, -1])
-    usual, ours = (
-        torch.zeros(blocks + 1, 2, bs, kv_heads, dim, dtype=dtype),
-        torch.zeros(blocks + 1, 2, bs, kv_heads, dim, dtype=dtype),
-    )
+    usual = torch.zeros(blocks + 1, 2, bs, kv_heads, dim, dtype=dtype)
+    ours = torch.zeros_like(usual)
     standard_write(k, v, usual, slots)
     write_kv(k, v, ours, slots)
     assert torch.equal(ours[:blocks], from_standard(usual)[:blocks])

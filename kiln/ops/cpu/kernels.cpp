@@ -219,7 +219,7 @@ constexpr int kVectorRegisters = 16;
 #endif
 // Query rows of one kv head that share a pass over the keys: R rows by two vectors of accumulators, two
 // vectors of K or V and a broadcast, in registers.
-constexpr int kPassRows = (kVectorRegisters - 3) / 2 >= 12 ? 12 : 6;
+constexpr int kPassRows = kVectorRegisters == 32 ? 12 : 6;
 constexpr int64_t kPiece = 16;  // keys per online-softmax step: two vectors
 
 // s[i][r][j] = scale * (q_r . k_j) for keys j < 8 * NV of NP pieces; qt holds the rows' queries as [D, R],
@@ -321,12 +321,13 @@ struct Row {
 // the pass spans but the row does not, e = 0 adds nothing to its sums).
 template <typename KV, int R>
 void attend(const Layout& L, const float* q, const KV* kv, float* out, int64_t b, const Row* rows, int64_t kvh,
-            int64_t H, bool fetch, float* acc) {
+            int64_t H, bool fetch, float* work) {
   const int64_t D = L.D, bs = L.bs, half = bs * L.kvh_count * D;
   const int32_t* table = L.table + b * L.table_width;
   constexpr float inf = std::numeric_limits<float>::infinity();
   int64_t pos[R], lo[R];
-  float* qt = acc + R * D;  // the rows' queries as [D, R]: a pass's broadcasts then share one pointer
+  float* acc = work;          // [R, D]
+  float* qt = work + R * D;  // the rows' queries as [D, R]: a pass's broadcasts then share one pointer
   for (int r = 0; r < R; ++r) {
     pos[r] = offset(L, b) + rows[r].t;
     lo[r] = L.window > 0 ? std::max<int64_t>(0, pos[r] - L.window + 1) : 0;
@@ -339,7 +340,7 @@ void attend(const Layout& L, const float* q, const KV* kv, float* out, int64_t b
   constexpr int NP = R == 1 ? 4 : R <= 3 ? 2 : 1;
   alignas(32) float s[NP][R][kPiece];
   alignas(32) float e[R][kPiece];
-  alignas(32) float shift[16] = {}, alpha[16];
+  alignas(32) float shift[(R + 7) / 8 * 8] = {}, alpha[(R + 7) / 8 * 8];  // lanes are rows
   std::fill(acc, acc + R * D, 0.0f);
   float m[R];
   __m256 l[R];
