@@ -23,9 +23,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", type=int, nargs="+", default=[1900])
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--dtype", default="auto", help="model.dtype (auto, float32, bfloat16, float16)")
     args = ap.parse_args()
     logging.basicConfig(level=logging.WARNING)
-    llm = LLM("default", enable_prefix_caching=False)
+    llm = LLM("default", dtype=args.dtype, enable_prefix_caching=False)
     vocab = llm.engine.model.dims.vocab_size
     params = SamplingParams(temperature=0.0, max_tokens=1)
     rng = random.Random(0)

@@ -24,8 +24,9 @@ def main() -> None:
     ap.add_argument("--batch", type=int, nargs="+", default=[16])
     ap.add_argument("--rows", type=int, default=15, help="profiler table rows")
     ap.add_argument("--time-only", action="store_true", help="step times alone, no profiler")
+    ap.add_argument("--dtype", default="auto", help="model.dtype (auto, float32, bfloat16, float16)")
     args = ap.parse_args()
-    engine = LLM("default", max_model_len=2048, kv_cache_gib=1).engine
+    engine = LLM("default", dtype=args.dtype, max_model_len=2048, kv_cache_gib=1).engine
     for b in args.batch:
         rng = random.Random(b)
         params = SamplingParams(temperature=0.0, max_tokens=80, ignore_eos=True)

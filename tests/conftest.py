@@ -40,9 +40,11 @@ def default_model_dir() -> Path:
 MAX_MODEL_LEN = 512
 MAX_REQUEST_BYTES = 65536
 
-# The default model with small limits, so that "too long" and "too large" are cheap to reach.
+# The default model with small limits, so that "too long" and "too large" are cheap to reach. Its dtype is
+# pinned: some tests assert what the model replies, and `auto` depends on the CPU (bfloat16 where the CPU
+# multiplies it natively), so every machine serves the same tokens.
 SERVE_CONFIG = {
-    "model": {"model": "default", "max_model_len": MAX_MODEL_LEN},
+    "model": {"model": "default", "max_model_len": MAX_MODEL_LEN, "dtype": "float16"},
     "cache": {"kv_cache_gib": 0.25},
     "scheduler": {"max_num_seqs": 64},
     "server": {"api_key": API_KEY, "max_request_bytes": MAX_REQUEST_BYTES, "drain_timeout": 60},

@@ -46,7 +46,7 @@ class LLMEngine:
         device = resolve_device(config.model.device)
         point_caches(cache_root())
         b = config.backend
-        _, dims, dtype = inspect_model(path, config.model.dtype)
+        _, dims, dtype = inspect_model(path, config.model.dtype, device)
         self.max_model_len = config.model.max_model_len or dims.max_positions
         if self.max_model_len > dims.max_positions:
             raise ValueError(

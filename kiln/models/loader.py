@@ -16,6 +16,7 @@ from kiln.models.registry import spec_for
 from kiln.models.spec import ArchSpec, ModelDims, Shard, expand, ignored, rule_applies
 from kiln.ops.attention import TORCH_ATTENTION, AttentionImpl
 from kiln.ops.backend import Kernels, torch_kernels
+from kiln.platform import native_matmul_dtypes
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +41,7 @@ def load_config(path: Path) -> Any:
     return AutoConfig.from_pretrained(path, local_files_only=True)
 
 
-def resolve_dtype(dtype: str, config: Any) -> torch.dtype:
+def resolve_dtype(dtype: str, config: Any, device: torch.device) -> torch.dtype:
     if dtype != "auto":
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of auto, {', '.join(DTYPES)}; got {dtype!r}")
@@ -50,9 +51,15 @@ def resolve_dtype(dtype: str, config: Any) -> torch.dtype:
         declared = declared if declared in DTYPES.values() else torch.float32
     else:
         declared = DTYPES.get(str(declared), torch.float32)
-    # vLLM's rule: float32 checkpoints serve in float16. On the CPU, float16 weights halve the bytes each
-    # decode step streams, and the default model's greedy tokens match float32's (BENCHMARKS.md).
-    return torch.float16 if declared == torch.float32 else declared
+    if declared != torch.float32:
+        return declared
+    # vLLM's rule: float32 checkpoints serve in 16 bits. A CPU that multiplies bfloat16 natively
+    # (AVX512-BF16, AMX) does so at twice float32's rate, so bfloat16 there, as vLLM's CPU backend does.
+    # Elsewhere float16: its weights widen at the same cost, and the default model's greedy tokens track
+    # float32's for longer (BENCHMARKS.md).
+    if device.type == "cpu" and torch.bfloat16 in native_matmul_dtypes(device):
+        return torch.bfloat16
+    return torch.float16
 
 
 def safetensors_files(path: Path) -> list[Path]:
@@ -81,11 +88,11 @@ def resolve_model(model: str) -> Path:
     return path
 
 
-def inspect_model(path: Path, dtype: str = "auto") -> tuple[ArchSpec, ModelDims, torch.dtype]:
-    """The architecture, shapes and serving dtype of a model folder, without reading its weights."""
+def inspect_model(path: Path, dtype: str, device: torch.device) -> tuple[ArchSpec, ModelDims, torch.dtype]:
+    """The architecture, shapes and serving dtype on `device` of a model folder, without its weights."""
     config = load_config(path)
     spec = spec_for(getattr(config, "architectures", None))
-    return spec, spec.dims(config), resolve_dtype(dtype, config)
+    return spec, spec.dims(config), resolve_dtype(dtype, config, device)
 
 
 def load_model(
@@ -96,7 +103,7 @@ def load_model(
     attention: AttentionImpl = TORCH_ATTENTION,
 ) -> DecoderModel:
     """kernels: None is the torch references for this device and dtype."""
-    spec, dims, torch_dtype = inspect_model(path, dtype)
+    spec, dims, torch_dtype = inspect_model(path, dtype, torch.device(device))
     kernels = kernels or torch_kernels(torch.device(device), torch_dtype)
     with torch.device("meta"):
         model = DecoderModel(spec, dims, kernels, attention).to(torch_dtype)

@@ -3,9 +3,10 @@ after loading (`pack`), so no step converts a weight.
 
 - TorchMatmul: torch's GEMM on the weights as loaded; a storage dtype the device can't multiply natively
   is widened once at load (the CPU fallback without kiln's kernels).
-- CpuMatmul: kiln's C++ kernel on weights packed in their own dtype, widened in registers; batch-invariant
-  (a row's result never depends on the other rows) and faster than torch's fp32 GEMM at every batch size
-  on the 2-core AVX2 machine (BENCHMARKS.md)."""
+- CpuMatmul: kiln's C++ kernel on weights packed in their own dtype, widened in registers (or, bfloat16 on
+  a CPU with AVX512-BF16, multiplied in bfloat16 pairs); batch-invariant (a row's result never depends on
+  the other rows) and faster than torch's fp32 GEMM at every batch size on the 2-core AVX2 machine
+  (BENCHMARKS.md)."""
 
 from __future__ import annotations
 
@@ -66,14 +67,26 @@ class TorchMatmul:
 
 
 class CpuMatmul:
-    """Needs kiln.ops.cpu.native loaded (the backend choice does it). Activations are float32."""
+    """Needs kiln.ops.cpu.native loaded (the backend choice does it). Activations are float32.
+
+    bf16_dot (a CPU with AVX512-BF16, native.bf16_dot()): bfloat16 weights are packed in pairs of k, and
+    the kernel rounds x to bfloat16 and multiplies pairs with one dot-product instruction, accumulating in
+    float32: twice the multiplies of widening, the way torch's own bfloat16 GEMM runs on such a CPU."""
+
+    def __init__(self, bf16_dot: bool = False) -> None:
+        self.bf16_dot = bf16_dot
 
     def pack(self, weight: torch.Tensor) -> torch.Tensor:
-        """[N, K] -> [ceil(N / 16), K, 16]: sixteen columns side by side, zero past N."""
+        """[N, K] -> [ceil(N / 16), K, 16]: sixteen columns side by side, zero past N; or for bf16_dot,
+        [ceil(N / 16), ceil(K / 2), 16, 2]: each column's pairs of k side by side, zero past K too."""
         n, k = weight.shape
         blocks = -(-n // BLOCK)
-        padded = torch.zeros(blocks * BLOCK, k, dtype=weight.dtype, device=weight.device)
-        padded[:n] = weight
+        pairs = self.bf16_dot and weight.dtype == torch.bfloat16
+        width = k + k % 2 if pairs else k
+        padded = torch.zeros(blocks * BLOCK, width, dtype=weight.dtype, device=weight.device)
+        padded[:n, :k] = weight
+        if pairs:
+            return padded.view(blocks, BLOCK, width // 2, 2).transpose(1, 2).contiguous()
         return padded.view(blocks, BLOCK, k).transpose(1, 2).contiguous()
 
     def pack_bias(self, bias: torch.Tensor) -> torch.Tensor:

@@ -60,7 +60,9 @@ def run(llm: LLM, batch: Sequence[Target]) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def llm() -> LLM:
-    return LLM("default")  # the default config: float16 weights, compiled, prefix caching on
+    # The default config: compiled, prefix caching on, and `auto` dtype: bfloat16 multiplied natively on
+    # a CPU with AVX512-BF16, else float16 widened to float32.
+    return LLM("default")
 
 
 @pytest.fixture(scope="module")

@@ -8,9 +8,10 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from kiln import LLM
-from kiln.models.loader import WeightError, load_model
+from kiln.models.loader import WeightError, load_config, load_model, resolve_dtype
 from kiln.models.registry import ARCHITECTURES, UnsupportedArchitecture
 from kiln.ops.backend import Backend
+from kiln.ops.cpu import native
 from kiln.ops.linear import Linear
 from kiln.ops.matmul import BLOCK
 from kiln.platform import native_matmul_dtypes
@@ -54,7 +55,20 @@ def test_dtype(llama: Path, dtype: str) -> None:
     packed = load_model(llama, dtype, kernels=cpu)
     assert {p.dtype for p in packed.layers.parameters() if p.dim() > 1} == {want}
     head = packed.logits_weight
-    assert head is not None and head.dtype == want and head.shape[-1] == BLOCK
+    assert head is not None and head.dtype == want
+    pairs = want == torch.bfloat16 and native.bf16_dot()  # AVX512-BF16: pairs of k side by side
+    assert head.shape[-2:] == ((BLOCK, 2) if pairs else (head.shape[-2], BLOCK))
+
+
+def test_auto_dtype_for_float32_checkpoints(llama: Path) -> None:
+    """vLLM's rule: 16 bits; on a CPU, bfloat16 where it multiplies bfloat16 natively, else float16."""
+    config = load_config(llama)
+    config.dtype = config.torch_dtype = "float32"
+    cpu = torch.device("cpu")
+    native_bf16 = torch.bfloat16 in native_matmul_dtypes(cpu)
+    assert resolve_dtype("auto", config, cpu) == (torch.bfloat16 if native_bf16 else torch.float16)
+    assert resolve_dtype("auto", config, torch.device("cuda")) == torch.float16
+    assert resolve_dtype("float32", config, cpu) == torch.float32
 
 
 def test_auto_dtype_follows_config(llama: Path) -> None:

@@ -30,6 +30,27 @@ def test_linear_rows_are_batch_invariant(dtype: torch.dtype, n: int, k: int) -> 
             assert torch.equal(mm.linear(x[at : at + rows], packed, bias, n), full[at : at + rows])
 
 
+@pytest.mark.skipif(not native.bf16_dot(), reason="this CPU has no AVX512-BF16 (the pair-packed path)")
+@pytest.mark.parametrize(("n", "k"), [(100, 41), (576, 1536), (1536, 576)])
+def test_bf16_pairs_are_bfloat16_products_and_batch_invariant(n: int, k: int) -> None:
+    """AVX512-BF16: x is rounded to bfloat16 and multiplied by bfloat16 weights in pairs, accumulated in
+    float32; an odd K is padded with a zero pair half."""
+    torch.manual_seed(0)
+    w, bias, x = torch.randn(n, k).bfloat16(), torch.randn(n), torch.randn(29, k)
+    mm = CpuMatmul(bf16_dot=True)
+    packed = mm.pack(w)
+    assert packed.shape == (-(-n // 16), (k + 1) // 2, 16, 2)
+    full = mm.linear(x, packed, bias, n)
+    want = x.bfloat16().double() @ w.double().t() + bias.double()
+    torch.testing.assert_close(full.double(), want, rtol=1e-5, atol=1e-4)
+    for rows in (1, 2, 3, 7, 8, 9, 13, 16, 17):
+        for at in (0, 4, 29 - rows):
+            assert torch.equal(mm.linear(x[at : at + rows], packed, bias, n), full[at : at + rows])
+    strided = torch.randn(29, k + 3)[:, :k]
+    strided.copy_(x)
+    assert torch.equal(mm.linear(strided, packed, bias, n), full)
+
+
 def _attend(
     q: torch.Tensor, cache: torch.Tensor, qsl: list[int], lens: list[int], tables: list, window: int
 ) -> torch.Tensor:

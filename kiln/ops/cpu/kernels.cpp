@@ -1,7 +1,9 @@
 // kiln's CPU kernels: a linear layer over packed 16- or 32-bit weights and paged attention, both
-// batch-invariant, and the structured-output token mask. Every output element is computed by the same sequence of float32 operations whatever
-// the number of rows in the call, how rows are tiled, or how work is split across threads:
-//  - linear: y[m, n] = bias[n] + sum over k of x[m, k] * w[n, k], accumulated by one FMA chain in k order;
+// batch-invariant, and the structured-output token mask. Every output element is computed by the same
+// sequence of operations whatever the number of rows in the call, how rows are tiled, or how work is split
+// across threads:
+//  - linear: y[m, n] = bias[n] + sum over k of x[m, k] * w[n, k], accumulated in float32 by one chain in
+//    k order (an FMA per k, or with bfloat16 pairs on AVX512-BF16, a dot product per pair of k);
 //  - attention: a query row's online softmax walks its context in KV-cache blocks from position 0.
 // Built once per machine by kiln/ops/cpu/native.py; registered as torch ops under `kiln_cpu`.
 #include <ATen/Parallel.h>
@@ -44,63 +46,160 @@ inline float load1(const c10::Half* p) { return static_cast<float>(*p); }
 inline float load1(const c10::BFloat16* p) { return static_cast<float>(*p); }
 
 // ---------------------------------------------------------------------------------------------------
-// linear: x [M, K] float32 (rows may be strided), w packed [NB, K, 16] (column n of block b is
-// w[b, :, n % 16], zero past N), bias [N] float32 or none -> y [M, N] float32.
+// linear: x [M, K] float32 (rows may be strided), bias [N] float32 or none -> y [M, N] float32, with w in
+// one of two packings (kiln/ops/matmul.py's CpuMatmul.pack):
+//  - [NB, K, 16] of any W (column n of block b is w[b, :, n % 16], zero past N): x times w widened to
+//    float32, one FMA per k (Widen);
+//  - [NB, K2, 16, 2] bfloat16, pairs of k side by side (K2 = ceil(K / 2), zero past K), on CPUs with
+//    AVX512-BF16: x rounded to bfloat16 times w, one dot product of a pair per step, accumulated in
+//    float32 (Dot). Twice Widen's multiplies per instruction.
 
-// Weight bytes to bring into L2 while a tile computes: the next chunk's, spread over the tile's k loop.
+// Weight bytes to bring into L2 while a tile computes: the next chunk's, spread over the tile's step loop.
 struct Prefetch {
   const char* base = nullptr;
   int64_t bytes = 0;
 };
 
-// MR rows by NB blocks: MR * NB * 2 accumulators, each one column vector's FMA chain over k.
-template <typename W, int MR, int NB>
-inline void tile(const float* x, int64_t ldx, const W* w, int64_t K, const float* bias, float* y,
-                 int64_t ldy, int64_t n0, int64_t N, Prefetch pf) {
-  const int64_t lines = (pf.bytes + 63) / 64;
-  int64_t issued = 0, due = 0;  // lines prefetched; lines due by this k, times K
-  __m256 acc[MR][NB * 2];
-#pragma GCC unroll 24
-  for (int m = 0; m < MR; ++m)
-#pragma GCC unroll 8
-    for (int j = 0; j < NB * 2; ++j) acc[m][j] = _mm256_setzero_ps();
-  for (int64_t k = 0; k < K; ++k) {
-    for (due += lines; due >= K; due -= K) _mm_prefetch(pf.base + 64 * issued++, _MM_HINT_T1);
-    __m256 wv[NB * 2];
-#pragma GCC unroll 8
-    for (int b = 0; b < NB; ++b) {
-      const W* p = w + (b * K + k) * kBlock;
-      wv[2 * b] = load8(p);
-      wv[2 * b + 1] = load8(p + 8);
-    }
-#pragma GCC unroll 8
-    for (int m = 0; m < MR; ++m) {
-      __m256 xv = _mm256_broadcast_ss(x + m * ldx + k);
-#pragma GCC unroll 8
-      for (int j = 0; j < NB * 2; ++j) acc[m][j] = _mm256_fmadd_ps(xv, wv[j], acc[m][j]);
-    }
+// Issues pf's lines evenly over `steps` calls.
+struct Prefetcher {
+  Prefetch pf;
+  int64_t steps, lines, issued = 0, due = 0;
+  Prefetcher(Prefetch p, int64_t s) : pf(p), steps(s), lines((p.bytes + 63) / 64) {}
+  inline void step() {
+    for (due += lines; due >= steps; due -= steps) _mm_prefetch(pf.base + 64 * issued++, _MM_HINT_T1);
   }
-  // Spill the tile through a buffer: indexing acc with a run-time bound would keep it in memory.
-  alignas(32) float out[MR][NB * kBlock];
-#pragma GCC unroll 8
-  for (int m = 0; m < MR; ++m)
-#pragma GCC unroll 8
-    for (int j = 0; j < NB * 2; ++j) _mm256_store_ps(&out[m][j * 8], acc[m][j]);
-  const int64_t width = std::min<int64_t>(NB * kBlock, N - n0);
+};
+
+// A tile's accumulators, spilled to `out` ([MR][width] floats), plus bias, into y's columns from n0.
+template <int MR>
+inline void emit(const float* out, int64_t width_out, const float* bias, float* y, int64_t ldy, int64_t n0,
+                 int64_t N) {
+  const int64_t width = std::min<int64_t>(width_out, N - n0);
   for (int m = 0; m < MR; ++m) {
     float* dst = y + m * ldy + n0;
+    const float* src = out + m * width_out;
     if (bias)
-      for (int64_t i = 0; i < width; ++i) dst[i] = out[m][i] + bias[n0 + i];
+      for (int64_t i = 0; i < width; ++i) dst[i] = src[i] + bias[n0 + i];
     else
-      for (int64_t i = 0; i < width; ++i) dst[i] = out[m][i];
+      for (int64_t i = 0; i < width; ++i) dst[i] = src[i];
   }
 }
 
-// Blocks [b0, b1) for rows [0, M): the tile shape follows the rows left, never the arithmetic.
-template <typename W, int MR>
-inline void rows(const float* x, int64_t ldx, const W* w, int64_t K, const float* bias, float* y,
-                 int64_t ldy, int64_t N, int64_t b0, int64_t b1, Prefetch pf) {
-  constexpr int NB = MR == 1 ? 4 : MR == 2 ? 2 : 1;
+template <typename W>
+struct Widen {
+  using X = float;
+  using Weight = W;
+  static constexpr int kRows = 6;               // rows per pass
+  static constexpr int kWide = 1;               // blocks per tile from 3 rows on
+  static constexpr int64_t kStep = kBlock;      // weights per block per step (one k)
+
+  // MR rows by NB blocks: MR * NB * 2 accumulators, each one column vector's FMA chain over k.
+  template <int MR, int NB>
+  static inline void tile(const X* x, int64_t ldx, const W* w, int64_t K, const float* bias, float* y,
+                          int64_t ldy, int64_t n0, int64_t N, Prefetch pf) {
+    Prefetcher prefetch(pf, K);
+    __m256 acc[MR][NB * 2];
+#pragma GCC unroll 24
+    for (int m = 0; m < MR; ++m)
+#pragma GCC unroll 8
+      for (int j = 0; j < NB * 2; ++j) acc[m][j] = _mm256_setzero_ps();
+    for (int64_t k = 0; k < K; ++k) {
+      prefetch.step();
+      __m256 wv[NB * 2];
+#pragma GCC unroll 8
+      for (int b = 0; b < NB; ++b) {
+        const W* p = w + (b * K + k) * kBlock;
+        wv[2 * b] = load8(p);
+        wv[2 * b + 1] = load8(p + 8);
+      }
+#pragma GCC unroll 8
+      for (int m = 0; m < MR; ++m) {
+        __m256 xv = _mm256_broadcast_ss(x + m * ldx + k);
+#pragma GCC unroll 8
+        for (int j = 0; j < NB * 2; ++j) acc[m][j] = _mm256_fmadd_ps(xv, wv[j], acc[m][j]);
+      }
+    }
+    // Spill the tile through a buffer: indexing acc with a run-time bound would keep it in memory.
+    alignas(64) float out[MR][NB * kBlock];
+#pragma GCC unroll 8
+    for (int m = 0; m < MR; ++m)
+#pragma GCC unroll 8
+      for (int j = 0; j < NB * 2; ++j) _mm256_store_ps(&out[m][j * 8], acc[m][j]);
+    emit<MR>(&out[0][0], NB * kBlock, bias, y, ldy, n0, N);
+  }
+};
+
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+constexpr bool kBf16Dot = true;
+
+struct Dot {
+  using X = uint32_t;  // a pair of bfloat16: x[m, 2s] in the low half, x[m, 2s + 1] in the high
+  using Weight = c10::BFloat16;
+  static constexpr int kRows = 8;
+  static constexpr int kWide = 2;
+  static constexpr int64_t kStep = 2 * kBlock;  // a pair of k for 16 columns: one 512-bit vector
+
+  // MR rows by NB blocks: MR * NB accumulators, each 16 columns' dot-product chain over the pairs.
+  template <int MR, int NB>
+  static inline void tile(const X* x, int64_t ldx, const Weight* w, int64_t K2, const float* bias, float* y,
+                          int64_t ldy, int64_t n0, int64_t N, Prefetch pf) {
+    Prefetcher prefetch(pf, K2);
+    __m512 acc[MR][NB];
+#pragma GCC unroll 16
+    for (int m = 0; m < MR; ++m)
+#pragma GCC unroll 4
+      for (int b = 0; b < NB; ++b) acc[m][b] = _mm512_setzero_ps();
+    for (int64_t s = 0; s < K2; ++s) {
+      prefetch.step();
+      __m512bh wv[NB];
+#pragma GCC unroll 4
+      for (int b = 0; b < NB; ++b) wv[b] = (__m512bh)_mm512_loadu_si512(w + (b * K2 + s) * kStep);
+#pragma GCC unroll 16
+      for (int m = 0; m < MR; ++m) {
+        const __m512bh xv = (__m512bh)_mm512_set1_epi32(static_cast<int>(x[m * ldx + s]));
+#pragma GCC unroll 4
+        for (int b = 0; b < NB; ++b) acc[m][b] = _mm512_dpbf16_ps(acc[m][b], xv, wv[b]);
+      }
+    }
+    alignas(64) float out[MR][NB * kBlock];
+#pragma GCC unroll 16
+    for (int m = 0; m < MR; ++m)
+#pragma GCC unroll 4
+      for (int b = 0; b < NB; ++b) _mm512_store_ps(&out[m][b * kBlock], acc[m][b]);
+    emit<MR>(&out[0][0], NB * kBlock, bias, y, ldy, n0, N);
+  }
+};
+
+// x [M, K] float32 -> [M, K2] pairs of bfloat16 (round to nearest even), zero past K.
+at::Tensor to_pairs(const at::Tensor& x, int64_t K2) {
+  const int64_t M = x.size(0), K = x.size(1), ldx = x.stride(0);
+  at::Tensor out = at::empty({M, K2}, x.options().dtype(at::kInt));
+  const float* src = x.data_ptr<float>();
+  uint32_t* dst = reinterpret_cast<uint32_t*>(out.data_ptr<int32_t>());
+  at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t m = begin; m < end; ++m) {
+      const float* row = src + m * ldx;
+      for (int64_t k = 0; k < 2 * K2; k += 32) {
+        auto mask = [&](int64_t at) { return __mmask16(at >= K ? 0 : at + 16 <= K ? 0xFFFF : (1u << (K - at)) - 1); };
+        const __m512 lo = _mm512_maskz_loadu_ps(mask(k), row + k), hi = _mm512_maskz_loadu_ps(mask(k + 16), row + k + 16);
+        const __m512i pairs = (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
+        const int64_t left = std::min<int64_t>(16, K2 - k / 2);
+        _mm512_mask_storeu_epi32(dst + m * K2 + k / 2, __mmask16((1u << left) - 1), pairs);
+      }
+    }
+  });
+  return out;
+}
+#else
+constexpr bool kBf16Dot = false;
+#endif
+
+// Blocks [b0, b1) for rows [0, MR): the tile shape follows the rows left, never the arithmetic.
+template <typename P, int MR>
+inline void rows(const typename P::X* x, int64_t ldx, const typename P::Weight* w, int64_t steps, const float* bias,
+                 float* y, int64_t ldy, int64_t N, int64_t b0, int64_t b1, Prefetch pf) {
+  constexpr int NB = MR == 1 ? 4 : MR == 2 ? 2 : P::kWide;
+  const int64_t block = steps * P::kStep;
   // Each tile prefetches its share of pf, in proportion to its blocks.
   auto share = [&](int64_t b, int64_t nb) {
     const int64_t lo = pf.bytes * (b - b0) / (b1 - b0), hi = pf.bytes * (b - b0 + nb) / (b1 - b0);
@@ -108,50 +207,55 @@ inline void rows(const float* x, int64_t ldx, const W* w, int64_t K, const float
   };
   int64_t b = b0;
   for (; b + NB <= b1; b += NB)
-    tile<W, MR, NB>(x, ldx, w + b * K * kBlock, K, bias, y, ldy, b * kBlock, N, share(b, NB));
-  for (; b < b1; ++b) tile<W, MR, 1>(x, ldx, w + b * K * kBlock, K, bias, y, ldy, b * kBlock, N, share(b, 1));
+    P::template tile<MR, NB>(x, ldx, w + b * block, steps, bias, y, ldy, b * kBlock, N, share(b, NB));
+  for (; b < b1; ++b) P::template tile<MR, 1>(x, ldx, w + b * block, steps, bias, y, ldy, b * kBlock, N, share(b, 1));
 }
 
-template <typename W>
-void linear_impl(const float* x, int64_t ldx, const W* w, int64_t K, int64_t NB, const float* bias,
-                 float* y, int64_t M, int64_t N) {
+// The last pass's R rows (R < kRows), dispatched to a tile of exactly that many.
+template <typename P, int R>
+inline void last_rows(int64_t r, const typename P::X* x, int64_t ldx, const typename P::Weight* w, int64_t steps,
+                      const float* bias, float* y, int64_t N, int64_t b0, int64_t b1, Prefetch pf) {
+  if constexpr (R > 0) {
+    if (r == R) return rows<P, R>(x, ldx, w, steps, bias, y, N, N, b0, b1, pf);
+    last_rows<P, R - 1>(r, x, ldx, w, steps, bias, y, N, b0, b1, pf);
+  }
+}
+
+template <typename P>
+void linear_impl(const typename P::X* x, int64_t ldx, const typename P::Weight* w, int64_t steps, int64_t NB,
+                 const float* bias, float* y, int64_t M, int64_t N) {
   // Weight blocks per chunk: a chunk (about 128 KiB) stays in L2 while every row tile passes over it, and
   // holds whole four-block tiles (one row's widest).
-  const int64_t block_bytes = K * kBlock * int64_t(sizeof(W));
+  const int64_t block_bytes = steps * P::kStep * int64_t(sizeof(typename P::Weight));
   const int64_t chunk = std::max<int64_t>(4, ((128 << 10) / block_bytes + 2) / 4 * 4);
   // Row passes over a chunk after the first find it in L2, so they compute without reading memory: each
   // pass prefetches its share of the next chunk, and memory streams while they do.
-  const int64_t passes = (M + 5) / 6;
+  constexpr int R = P::kRows;
+  const int64_t passes = (M + R - 1) / R;
   at::parallel_for(0, NB, 1, [&](int64_t begin, int64_t end) {
     for (int64_t c0 = begin; c0 < end; c0 += chunk) {
       const int64_t c1 = std::min(end, c0 + chunk), c2 = std::min(end, c1 + chunk);
-      const char* next = reinterpret_cast<const char*>(w + c1 * K * kBlock);
+      const char* next = reinterpret_cast<const char*>(w + c1 * steps * P::kStep);
       const int64_t next_bytes = (c2 - c1) * block_bytes;
       auto pass = [&](int64_t i) {
         const int64_t lo = next_bytes * i / passes, hi = next_bytes * (i + 1) / passes;
         return Prefetch{next + lo, hi - lo};
       };
       int64_t m = 0;
-      for (; m + 6 <= M; m += 6) rows<W, 6>(x + m * ldx, ldx, w, K, bias, y + m * N, N, N, c0, c1, pass(m / 6));
-      const float* xm = x + m * ldx;
-      float* ym = y + m * N;
-      const Prefetch last = pass(m / 6);
-      switch (M - m) {
-        case 5: rows<W, 5>(xm, ldx, w, K, bias, ym, N, N, c0, c1, last); break;
-        case 4: rows<W, 4>(xm, ldx, w, K, bias, ym, N, N, c0, c1, last); break;
-        case 3: rows<W, 3>(xm, ldx, w, K, bias, ym, N, N, c0, c1, last); break;
-        case 2: rows<W, 2>(xm, ldx, w, K, bias, ym, N, N, c0, c1, last); break;
-        case 1: rows<W, 1>(xm, ldx, w, K, bias, ym, N, N, c0, c1, last); break;
-        default: break;
-      }
+      for (; m + R <= M; m += R) rows<P, R>(x + m * ldx, ldx, w, steps, bias, y + m * N, N, N, c0, c1, pass(m / R));
+      last_rows<P, R - 1>(M - m, x + m * ldx, ldx, w, steps, bias, y + m * N, N, c0, c1, pass(m / R));
     }
   });
 }
 
 at::Tensor linear(const at::Tensor& x_in, const at::Tensor& w, int64_t n, const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(x_in.scalar_type() == at::kFloat && x_in.dim() == 2, "kiln_cpu::linear: x must be 2-D float32");
-  TORCH_CHECK(w.dim() == 3 && w.size(2) == kBlock && w.size(1) == x_in.size(1) && w.is_contiguous(),
-              "kiln_cpu::linear: w must be packed [blocks, K, 16] with K = x.size(1)");
+  const bool dot = w.dim() == 4;
+  const int64_t K = x_in.size(1);
+  const bool packed = dot ? w.size(1) == (K + 1) / 2 && w.size(2) == kBlock && w.size(3) == 2
+                          : w.dim() == 3 && w.size(1) == K && w.size(2) == kBlock;
+  TORCH_CHECK(packed && w.is_contiguous(),
+              "kiln_cpu::linear: w must be packed [blocks, K, 16], or [blocks, ceil(K / 2), 16, 2] in bfloat16");
   TORCH_CHECK(n > (w.size(0) - 1) * kBlock && n <= w.size(0) * kBlock, "kiln_cpu::linear: n does not fit w");
   at::Tensor x = x_in.stride(1) == 1 ? x_in : x_in.contiguous();
   const float* b = nullptr;
@@ -160,19 +264,33 @@ at::Tensor linear(const at::Tensor& x_in, const at::Tensor& w, int64_t n, const 
                 "kiln_cpu::linear: bias must be float32 [n]");
     b = bias->data_ptr<float>();
   }
-  const int64_t M = x.size(0), K = x.size(1), NB = w.size(0);
+  const int64_t M = x.size(0), NB = w.size(0);
   at::Tensor y = at::empty({M, n}, x.options());
   if (M == 0) return y;
   const float* xp = x.data_ptr<float>();
   float* yp = y.data_ptr<float>();
+  if (dot) {
+    TORCH_CHECK(w.scalar_type() == at::kBFloat16, "kiln_cpu::linear: pair-packed weights must be bfloat16");
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+    const int64_t K2 = w.size(1);
+    const at::Tensor pairs = to_pairs(x, K2);
+    linear_impl<Dot>(reinterpret_cast<const uint32_t*>(pairs.data_ptr<int32_t>()), K2,
+                     w.data_ptr<c10::BFloat16>(), K2, NB, b, yp, M, n);
+#else
+    TORCH_CHECK(false, "kiln_cpu::linear: pair-packed weights need a CPU with AVX512-BF16");
+#endif
+    return y;
+  }
   switch (w.scalar_type()) {
-    case at::kHalf: linear_impl(xp, x.stride(0), w.data_ptr<c10::Half>(), K, NB, b, yp, M, n); break;
-    case at::kBFloat16: linear_impl(xp, x.stride(0), w.data_ptr<c10::BFloat16>(), K, NB, b, yp, M, n); break;
-    case at::kFloat: linear_impl(xp, x.stride(0), w.data_ptr<float>(), K, NB, b, yp, M, n); break;
+    case at::kHalf: linear_impl<Widen<c10::Half>>(xp, x.stride(0), w.data_ptr<c10::Half>(), K, NB, b, yp, M, n); break;
+    case at::kBFloat16: linear_impl<Widen<c10::BFloat16>>(xp, x.stride(0), w.data_ptr<c10::BFloat16>(), K, NB, b, yp, M, n); break;
+    case at::kFloat: linear_impl<Widen<float>>(xp, x.stride(0), w.data_ptr<float>(), K, NB, b, yp, M, n); break;
     default: TORCH_CHECK(false, "kiln_cpu::linear: weights must be float32, float16 or bfloat16");
   }
   return y;
 }
+
+bool bf16_dot() { return kBf16Dot; }
 
 // ---------------------------------------------------------------------------------------------------
 // Attention. The cache keeps each block's K transposed per kv head, [KVH, D, bs], and its V as
@@ -560,6 +678,7 @@ void apply_bitmask(at::Tensor& logits, const at::Tensor& bitmask, at::IntArrayRe
 
 TORCH_LIBRARY(kiln_cpu, m) {
   m.def("linear(Tensor x, Tensor w, int n, Tensor? bias) -> Tensor");
+  m.def("bf16_dot() -> bool", &bf16_dot);  // whether linear takes pair-packed bfloat16 weights here
   m.def("paged_attention(Tensor q, Tensor kv_cache, Tensor query_start_loc, Tensor seq_lens, "
         "Tensor block_table, float scale, int sliding_window) -> Tensor");
   m.def("apply_bitmask(Tensor(a!) logits, Tensor bitmask, int[] rows) -> ()");

@@ -87,6 +87,13 @@ def _register_fakes() -> None:
 
 
 @functools.cache
+def bf16_dot() -> bool:
+    """Whether the kernels were built with AVX512-BF16, so linear takes pair-packed bfloat16 weights."""
+    load()
+    return bool(torch.ops.kiln_cpu.bf16_dot())
+
+
+@functools.cache
 def available() -> str | None:
     """None when the kernels are loaded, else why not (logged once by the backend choice)."""
     try:
