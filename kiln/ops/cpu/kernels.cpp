@@ -65,14 +65,14 @@ struct Prefetcher {
   Prefetch pf;
   int64_t steps, lines, issued = 0, due = 0;
   Prefetcher(Prefetch p, int64_t s) : pf(p), steps(s), lines((p.bytes + 63) / 64) {}
-  inline void step() {
+  __attribute__((always_inline)) inline void step() {
     for (due += lines; due >= steps; due -= steps) _mm_prefetch(pf.base + 64 * issued++, _MM_HINT_T1);
   }
 };
 
 // A tile's accumulators, spilled to `out` ([MR][width] floats), plus bias, into y's columns from n0.
 template <int MR>
-inline void emit(const float* out, int64_t width_out, const float* bias, float* y, int64_t ldy, int64_t n0,
+__attribute__((always_inline)) inline void emit(const float* out, int64_t width_out, const float* bias, float* y, int64_t ldy, int64_t n0,
                  int64_t N) {
   const int64_t width = std::min<int64_t>(width_out, N - n0);
   for (int m = 0; m < MR; ++m) {
