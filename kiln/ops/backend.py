@@ -91,14 +91,14 @@ class Backend:
         device: torch.device,
     ) -> AttentionImpl:  # fmt: skip
         if self.attention == "cpu":
-            from kiln.ops.cpu.attention import CPU_ATTENTION
+            from kiln.ops.cpu.attention import CpuAttention, key_pairs
 
             if block_size % 8:
                 raise ValueError(
                     f"cache.block_size {block_size}: kiln's CPU attention reads keys 8 at a time, so it "
                     "needs a multiple of 8 (or backend.attention: torch)"
                 )
-            return CPU_ATTENTION
+            return CpuAttention(key_pairs(dtype, heads.head_dim))
         if self.attention != "flashinfer":
             return TORCH_ATTENTION
         from kiln.ops.flashinfer_attention import FlashInferAttention

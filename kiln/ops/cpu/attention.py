@@ -7,14 +7,24 @@ prompt, or on whether its prefix came from the prefix cache (fresh K/V are read 
 The cache tensor has the usual shape, [num_blocks + 1, 2, block_size, KVH, D], but the kernel's layout
 inside each block: K transposed per kv head, [KVH, D, block_size], so a query's scores for a row of keys
 come from the GEMM micro-kernel's FMA pattern (keys along vector lanes), then V per kv head,
-[KVH, block_size, D]. Only this module writes it and only the kernel reads it."""
+[KVH, block_size, D]. With key pairs (a bfloat16 cache, an even D and kernels built with AVX512-BF16), K
+is [KVH, D/2, block_size, 2], pairs of d side by side, for one dot-product instruction per pair. Only this
+module writes it and only the kernel reads it."""
 
 import torch
 
 from kiln.ops.attention import AttnMetadata, StepLayout
+from kiln.ops.cpu import native
 
 
-def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+def key_pairs(dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether a cache of this dtype keeps K in pairs of d: the kernel decides the same way."""
+    return dtype == torch.bfloat16 and head_dim % 2 == 0 and native.bf16_dot()
+
+
+def write_kv(
+    k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor, pairs: bool
+) -> None:
     """k, v [T, KVH, D] into their slots, in the layout above. A padding slot (-1) lands in the last
     block, the padding block, through negative indices: one mask-free scatter that Inductor does in place
     (two scatters into the cache compile into a copy of all of it)."""
@@ -25,7 +35,10 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapp
     start = (blocks * (2 * half))[:, None, None]
     heads = torch.arange(kvh, device=k.device)[:, None]
     dims = torch.arange(dim, device=k.device)
-    k_at = start + (heads * dim + dims) * bs + at  # [T, KVH, D]: K^T[h, d, at]
+    if pairs:  # K[h, d // 2, at, d % 2]
+        k_at = start + heads * (dim * bs) + (dims // 2) * (2 * bs) + at * 2 + dims % 2
+    else:  # K^T[h, d, at]
+        k_at = start + (heads * dim + dims) * bs + at
     v_at = start + half + heads * (bs * dim) + at * dim + dims  # V[h, at, d]
     kv_cache.view(-1)[torch.cat([k_at, v_at])] = torch.cat([k, v]).to(kv_cache.dtype)
 
@@ -33,12 +46,18 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapp
 def from_standard(cache: torch.Tensor) -> torch.Tensor:
     """A cache in the usual layout (K and V as [block_size, KVH, D] per block) rewritten in the kernel's."""
     n, _, bs, kvh, dim = cache.shape
-    k = cache[:, 0].permute(0, 2, 3, 1).reshape(n, bs, kvh, dim)  # [n, KVH, D, bs] memory
+    if key_pairs(cache.dtype, dim):  # [n, KVH, D/2, bs, 2] memory
+        k = cache[:, 0].reshape(n, bs, kvh, dim // 2, 2).permute(0, 2, 3, 1, 4).reshape(n, bs, kvh, dim)
+    else:  # [n, KVH, D, bs] memory
+        k = cache[:, 0].permute(0, 2, 3, 1).reshape(n, bs, kvh, dim)
     v = cache[:, 1].permute(0, 2, 1, 3).reshape(n, bs, kvh, dim)  # [n, KVH, bs, D] memory
     return torch.stack([k, v], dim=1)
 
 
 class CpuAttention:
+    def __init__(self, pairs: bool) -> None:
+        self.pairs = pairs  # key_pairs(the cache's dtype, head_dim)
+
     def plan(self, layout: StepLayout) -> None:
         pass
 
@@ -52,10 +71,7 @@ class CpuAttention:
         scale: float,
         sliding_window: int,
     ) -> torch.Tensor:
-        write_kv(k, v, kv_cache, meta.slot_mapping)
+        write_kv(k, v, kv_cache, meta.slot_mapping, self.pairs)
         return torch.ops.kiln_cpu.paged_attention(
             q, kv_cache, meta.query_start_loc, meta.seq_lens, meta.block_table, scale, sliding_window
         )
-
-
-CPU_ATTENTION = CpuAttention()

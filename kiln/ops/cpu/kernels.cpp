@@ -129,7 +129,7 @@ struct Widen {
   }
 };
 
-#if defined(__AVX512BF16__) && defined(__AVX512F__)
+#if defined(__AVX512BF16__) && defined(__AVX512VL__)
 constexpr bool kBf16Dot = true;
 
 struct Dot {
@@ -271,7 +271,7 @@ at::Tensor linear(const at::Tensor& x_in, const at::Tensor& w, int64_t n, const 
   float* yp = y.data_ptr<float>();
   if (dot) {
     TORCH_CHECK(w.scalar_type() == at::kBFloat16, "kiln_cpu::linear: pair-packed weights must be bfloat16");
-#if defined(__AVX512BF16__) && defined(__AVX512F__)
+#if defined(__AVX512BF16__) && defined(__AVX512VL__)
     const int64_t K2 = w.size(1);
     const at::Tensor pairs = to_pairs(x, K2);
     linear_impl<Dot>(reinterpret_cast<const uint32_t*>(pairs.data_ptr<int32_t>()), K2,
@@ -293,10 +293,10 @@ at::Tensor linear(const at::Tensor& x_in, const at::Tensor& w, int64_t n, const 
 bool bf16_dot() { return kBf16Dot; }
 
 // ---------------------------------------------------------------------------------------------------
-// Attention. The cache keeps each block's K transposed per kv head, [KVH, D, bs], and its V as
-// [KVH, bs, D] (kiln/ops/cpu/attention.py writes it): a piece of keys' scores are then one FMA chain over d
-// per key with keys along the vector lanes, the way the linear layers' micro-kernel runs, and no score
-// needs a horizontal sum.
+// Attention. The cache keeps each block's K transposed per kv head, [KVH, D, bs] (bfloat16 with AVX512-BF16:
+// [KVH, D/2, bs, 2], pairs of d), and its V as [KVH, bs, D] (kiln/ops/cpu/attention.py writes it): a piece
+// of keys' scores are then one FMA (or pair dot product) chain over d per key with keys along the vector
+// lanes, the way the linear layers' micro-kernel runs, and no score needs a horizontal sum.
 
 // e^x for eight lanes (Cephes' expf: range reduction by ln 2, degree-5 polynomial); e^-inf = 0.
 inline __m256 exp8(__m256 x) {
@@ -377,6 +377,52 @@ inline void piece_scores(const float* qt, const KV* const* kt, int64_t bs, int64
       for (int p = 0; p < NV; ++p) _mm256_store_ps(s[i][r] + 8 * p, _mm256_mul_ps(a[i][r][p], vscale));
 }
 
+// bfloat16 caches on AVX512-BF16 builds keep each block's K in pairs of d, [KVH, D/2, bs, 2] (D even), and
+// score with one dot product per pair: the rows' queries rounded to bfloat16 pairs, as a [D/2, R] table.
+template <typename KV>
+constexpr bool kKeyPairs = kBf16Dot && std::is_same_v<KV, c10::BFloat16>;
+
+template <typename KV>
+inline bool key_pairs(int64_t D) { return kKeyPairs<KV> && D % 2 == 0; }
+
+#if defined(__AVX512BF16__) && defined(__AVX512VL__)
+// piece_scores with K in pairs: each score is one chain of pair dot products over d in order.
+template <int R, int NV, int NP>
+inline void piece_scores_pairs(const uint32_t* qp, const c10::BFloat16* const* kt, int64_t bs, int64_t D,
+                               float scale, float (*s)[R][kPiece]) {
+  __m256 a[NP][R][NV];
+#pragma GCC unroll 4
+  for (int i = 0; i < NP; ++i)
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r)
+#pragma GCC unroll 2
+      for (int p = 0; p < NV; ++p) a[i][r][p] = _mm256_setzero_ps();
+  for (int64_t d2 = 0; d2 < D / 2; ++d2) {
+    __m256bh k[NP][NV];
+#pragma GCC unroll 4
+    for (int i = 0; i < NP; ++i)
+#pragma GCC unroll 2
+      for (int p = 0; p < NV; ++p)
+        k[i][p] = (__m256bh)_mm256_loadu_si256(reinterpret_cast<const __m256i*>(kt[i] + d2 * 2 * bs + 16 * p));
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) {
+      const __m256bh qd = (__m256bh)_mm256_set1_epi32(static_cast<int>(qp[d2 * R + r]));
+#pragma GCC unroll 4
+      for (int i = 0; i < NP; ++i)
+#pragma GCC unroll 2
+        for (int p = 0; p < NV; ++p) a[i][r][p] = _mm256_dpbf16_ps(a[i][r][p], qd, k[i][p]);
+    }
+  }
+  const __m256 vscale = _mm256_set1_ps(scale);
+#pragma GCC unroll 4
+  for (int i = 0; i < NP; ++i)
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r)
+#pragma GCC unroll 2
+      for (int p = 0; p < NV; ++p) _mm256_store_ps(s[i][r] + 8 * p, _mm256_mul_ps(a[i][r][p], vscale));
+}
+#endif
+
 // acc_r[d, d + 8 VW) = acc_r * alpha_r + e_r[j] * v_j for keys j in [u0, u1) in order: one FMA chain per lane.
 template <typename KV, int R, int VW>
 inline void piece_values(float* acc, const float* alpha, const float (*e)[kPiece], const KV* v, int64_t D,
@@ -446,11 +492,17 @@ void attend(const Layout& L, const float* q, const KV* kv, float* out, int64_t b
   int64_t pos[R], lo[R];
   float* acc = work;          // [R, D]
   float* qt = work + R * D;  // the rows' queries as [D, R]: a pass's broadcasts then share one pointer
+  uint32_t* qp = reinterpret_cast<uint32_t*>(qt);  // or, with K in pairs, as bfloat16 pairs [D/2, R]
+  const bool pairs = key_pairs<KV>(D);
   for (int r = 0; r < R; ++r) {
     pos[r] = offset(L, b) + rows[r].t;
     lo[r] = L.window > 0 ? std::max<int64_t>(0, pos[r] - L.window + 1) : 0;
     const float* qr = q + (rows[r].t * H + rows[r].h) * D;
-    for (int64_t d = 0; d < D; ++d) qt[d * R + r] = qr[d];
+    if (pairs)
+      for (int64_t d2 = 0; d2 < D / 2; ++d2)
+        qp[d2 * R + r] = uint32_t(c10::BFloat16(qr[2 * d2]).x) | uint32_t(c10::BFloat16(qr[2 * d2 + 1]).x) << 16;
+    else
+      for (int64_t d = 0; d < D; ++d) qt[d * R + r] = qr[d];
   }
   const int64_t first = *std::min_element(lo, lo + R) / bs, last = *std::max_element(pos, pos + R) / bs;
   auto keys_of = [&](int64_t blk) { return kv + int64_t(table[blk]) * 2 * half + kvh * D * bs; };
@@ -524,6 +576,18 @@ void attend(const Layout& L, const float* q, const KV* kv, float* out, int64_t b
   int queued = 0;
   auto score = [&](auto nv) {
     constexpr int NV = decltype(nv)::value;
+#if defined(__AVX512BF16__) && defined(__AVX512VL__)
+    if constexpr (kKeyPairs<KV>) {
+      if (pairs) {
+        if (queued == NP) {
+          piece_scores_pairs<R, NV, NP>(qp, kts, bs, D, L.scale, s);
+        } else {
+          for (int i = 0; i < queued; ++i) piece_scores_pairs<R, NV, 1>(qp, kts + i, bs, D, L.scale, s + i);
+        }
+        return;
+      }
+    }
+#endif
     if (queued == NP) {
       piece_scores<KV, R, NV, NP>(qt, kts, bs, D, L.scale, s);
     } else {
@@ -547,7 +611,7 @@ void attend(const Layout& L, const float* q, const KV* kv, float* out, int64_t b
     for (int64_t c0 = 0; c0 < bs; c0 += kPiece) {
       const Span k = span(blk * bs + c0, std::min(kPiece, bs - c0));
       if (k.u0 >= k.u1) continue;
-      kts[queued] = keys_of(blk) + c0, vs[queued] = values_of(blk) + c0 * D, spans[queued] = k;
+      kts[queued] = keys_of(blk) + (pairs ? 2 : 1) * c0, vs[queued] = values_of(blk) + c0 * D, spans[queued] = k;
       if (++queued == NP) flush();
     }
   }
