@@ -342,8 +342,9 @@ constexpr int64_t kPiece = 16;  // keys per online-softmax step: two vectors
 
 // s[i][r][j] = scale * (q_r . k_j) for keys j < 8 * NV of NP pieces; qt holds the rows' queries as [D, R],
 // kt[i] piece i's K^T rows (bs apart). Each score is one FMA chain over d in order, whichever rows and
-// pieces share the pass (a small pass scores several pieces, for enough independent chains).
-template <typename KV, int R, int NV, int NP>
+// pieces share the pass (a small pass scores several pieces, for enough independent chains). Pairs (K in
+// pairs of d): qt holds bfloat16 pairs [D/2, R] instead, and each score is one chain of pair dot products.
+template <typename KV, int R, int NV, int NP, bool Pairs>
 inline void piece_scores(const float* qt, const KV* const* kt, int64_t bs, int64_t D, float scale,
                          float (*s)[R][kPiece]) {
   __m256 a[NP][R][NV];
@@ -353,19 +354,41 @@ inline void piece_scores(const float* qt, const KV* const* kt, int64_t bs, int64
     for (int r = 0; r < R; ++r)
 #pragma GCC unroll 2
       for (int p = 0; p < NV; ++p) a[i][r][p] = _mm256_setzero_ps();
-  for (int64_t d = 0; d < D; ++d) {
-    __m256 k[NP][NV];
-#pragma GCC unroll 4
-    for (int i = 0; i < NP; ++i)
-#pragma GCC unroll 2
-      for (int p = 0; p < NV; ++p) k[i][p] = load8(kt[i] + d * bs + 8 * p);
-#pragma GCC unroll 16
-    for (int r = 0; r < R; ++r) {
-      const __m256 qd = _mm256_broadcast_ss(qt + d * R + r);
+  if constexpr (Pairs) {
+#if defined(__AVX512BF16__) && defined(__AVX512VL__)
+    const uint32_t* qp = reinterpret_cast<const uint32_t*>(qt);
+    for (int64_t d2 = 0; d2 < D / 2; ++d2) {
+      __m256bh k[NP][NV];
 #pragma GCC unroll 4
       for (int i = 0; i < NP; ++i)
 #pragma GCC unroll 2
-        for (int p = 0; p < NV; ++p) a[i][r][p] = _mm256_fmadd_ps(qd, k[i][p], a[i][r][p]);
+        for (int p = 0; p < NV; ++p)
+          k[i][p] = (__m256bh)_mm256_loadu_si256(reinterpret_cast<const __m256i*>(kt[i] + d2 * 2 * bs + 16 * p));
+#pragma GCC unroll 16
+      for (int r = 0; r < R; ++r) {
+        const __m256bh qd = (__m256bh)_mm256_set1_epi32(static_cast<int>(qp[d2 * R + r]));
+#pragma GCC unroll 4
+        for (int i = 0; i < NP; ++i)
+#pragma GCC unroll 2
+          for (int p = 0; p < NV; ++p) a[i][r][p] = _mm256_dpbf16_ps(a[i][r][p], qd, k[i][p]);
+      }
+    }
+#endif
+  } else {
+    for (int64_t d = 0; d < D; ++d) {
+      __m256 k[NP][NV];
+#pragma GCC unroll 4
+      for (int i = 0; i < NP; ++i)
+#pragma GCC unroll 2
+        for (int p = 0; p < NV; ++p) k[i][p] = load8(kt[i] + d * bs + 8 * p);
+#pragma GCC unroll 16
+      for (int r = 0; r < R; ++r) {
+        const __m256 qd = _mm256_broadcast_ss(qt + d * R + r);
+#pragma GCC unroll 4
+        for (int i = 0; i < NP; ++i)
+#pragma GCC unroll 2
+          for (int p = 0; p < NV; ++p) a[i][r][p] = _mm256_fmadd_ps(qd, k[i][p], a[i][r][p]);
+      }
     }
   }
   const __m256 vscale = _mm256_set1_ps(scale);
@@ -380,48 +403,7 @@ inline void piece_scores(const float* qt, const KV* const* kt, int64_t bs, int64
 // bfloat16 caches on AVX512-BF16 builds keep each block's K in pairs of d, [KVH, D/2, bs, 2] (D even), and
 // score with one dot product per pair: the rows' queries rounded to bfloat16 pairs, as a [D/2, R] table.
 template <typename KV>
-constexpr bool kKeyPairs = kBf16Dot && std::is_same_v<KV, c10::BFloat16>;
-
-template <typename KV>
-inline bool key_pairs(int64_t D) { return kKeyPairs<KV> && D % 2 == 0; }
-
-#if defined(__AVX512BF16__) && defined(__AVX512VL__)
-// piece_scores with K in pairs: each score is one chain of pair dot products over d in order.
-template <int R, int NV, int NP>
-inline void piece_scores_pairs(const uint32_t* qp, const c10::BFloat16* const* kt, int64_t bs, int64_t D,
-                               float scale, float (*s)[R][kPiece]) {
-  __m256 a[NP][R][NV];
-#pragma GCC unroll 4
-  for (int i = 0; i < NP; ++i)
-#pragma GCC unroll 16
-    for (int r = 0; r < R; ++r)
-#pragma GCC unroll 2
-      for (int p = 0; p < NV; ++p) a[i][r][p] = _mm256_setzero_ps();
-  for (int64_t d2 = 0; d2 < D / 2; ++d2) {
-    __m256bh k[NP][NV];
-#pragma GCC unroll 4
-    for (int i = 0; i < NP; ++i)
-#pragma GCC unroll 2
-      for (int p = 0; p < NV; ++p)
-        k[i][p] = (__m256bh)_mm256_loadu_si256(reinterpret_cast<const __m256i*>(kt[i] + d2 * 2 * bs + 16 * p));
-#pragma GCC unroll 16
-    for (int r = 0; r < R; ++r) {
-      const __m256bh qd = (__m256bh)_mm256_set1_epi32(static_cast<int>(qp[d2 * R + r]));
-#pragma GCC unroll 4
-      for (int i = 0; i < NP; ++i)
-#pragma GCC unroll 2
-        for (int p = 0; p < NV; ++p) a[i][r][p] = _mm256_dpbf16_ps(a[i][r][p], qd, k[i][p]);
-    }
-  }
-  const __m256 vscale = _mm256_set1_ps(scale);
-#pragma GCC unroll 4
-  for (int i = 0; i < NP; ++i)
-#pragma GCC unroll 16
-    for (int r = 0; r < R; ++r)
-#pragma GCC unroll 2
-      for (int p = 0; p < NV; ++p) _mm256_store_ps(s[i][r] + 8 * p, _mm256_mul_ps(a[i][r][p], vscale));
-}
-#endif
+inline bool key_pairs(int64_t D) { return kBf16Dot && std::is_same_v<KV, c10::BFloat16> && D % 2 == 0; }
 
 // acc_r[d, d + 8 VW) = acc_r * alpha_r + e_r[j] * v_j for keys j in [u0, u1) in order: one FMA chain per lane.
 template <typename KV, int R, int VW>
@@ -576,23 +558,18 @@ void attend(const Layout& L, const float* q, const KV* kv, float* out, int64_t b
   int queued = 0;
   auto score = [&](auto nv) {
     constexpr int NV = decltype(nv)::value;
-#if defined(__AVX512BF16__) && defined(__AVX512VL__)
-    if constexpr (kKeyPairs<KV>) {
-      if (pairs) {
-        if (queued == NP) {
-          piece_scores_pairs<R, NV, NP>(qp, kts, bs, D, L.scale, s);
-        } else {
-          for (int i = 0; i < queued; ++i) piece_scores_pairs<R, NV, 1>(qp, kts + i, bs, D, L.scale, s + i);
-        }
-        return;
+    auto run = [&](auto in_pairs) {
+      constexpr bool P = decltype(in_pairs)::value;
+      if (queued == NP) {
+        piece_scores<KV, R, NV, NP, P>(qt, kts, bs, D, L.scale, s);
+      } else {
+        for (int i = 0; i < queued; ++i) piece_scores<KV, R, NV, 1, P>(qt, kts + i, bs, D, L.scale, s + i);
       }
-    }
-#endif
-    if (queued == NP) {
-      piece_scores<KV, R, NV, NP>(qt, kts, bs, D, L.scale, s);
-    } else {
-      for (int i = 0; i < queued; ++i) piece_scores<KV, R, NV, 1>(qt, kts + i, bs, D, L.scale, s + i);
-    }
+    };
+    if (pairs)
+      run(std::true_type{});
+    else
+      run(std::false_type{});
   };
   auto flush = [&]() {
     if (bs >= kPiece)
