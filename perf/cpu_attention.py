@@ -38,7 +38,7 @@ def main() -> None:
             clock = time.perf_counter()
             for layer in range(LAYERS):
                 cache = caches[layer % len(caches)]
-                torch.ops.kiln_cpu.paged_attention(q, cache, qsl, lens, table, DIM**-0.5, 0)
+                torch.ops.kiln_cpu.paged_attention(q, cache, qsl, lens, table, DIM**-0.5, 0, False)
             times.append(time.perf_counter() - clock)
         ms = statistics.median(times) * 1e3
         mb = batch * ctx * 2 * KV_HEADS * DIM * 2 * LAYERS / 1e6

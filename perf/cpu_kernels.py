@@ -87,7 +87,7 @@ def attention_rows() -> list[dict]:
         qsl = torch.arange(0, batch * rows + 1, rows, dtype=torch.int32)
         lens = torch.full((batch,), ctx, dtype=torch.int32)
         op = torch.ops.kiln_cpu.paged_attention
-        attend = functools.partial(op, q, cache, qsl, lens, table, dim**-0.5, 0)
+        attend = functools.partial(op, q, cache, qsl, lens, table, dim**-0.5, 0, False)
         t = ms(attend, 1.0)
         out.append({"kind": kind, "batch": batch, "context": ctx, "ms per layer": t})
         print(f"attention {kind:7} batch {batch:<3} context {ctx:<5} {t:8.3f} ms per layer")

@@ -77,8 +77,8 @@ class CpuMatmul:
         self.bf16_dot = bf16_dot
 
     def pack(self, weight: torch.Tensor) -> torch.Tensor:
-        """[N, K] -> [ceil(N / 16), K, 16]: sixteen columns side by side, zero past N; or for bf16_dot,
-        [ceil(N / 16), ceil(K / 2), 16, 2]: each column's pairs of k side by side, zero past K too."""
+        """[N, K] -> [ceil(N / 16), K, 16]: sixteen columns side by side, zero past N; or, bfloat16 weights
+        with bf16_dot, [ceil(N / 16), ceil(K / 2), 16, 2]: each column's pairs of k, zero past K too."""
         n, k = weight.shape
         blocks = -(-n // BLOCK)
         pairs = self.bf16_dot and weight.dtype == torch.bfloat16

@@ -30,16 +30,20 @@ def test_linear_rows_are_batch_invariant(dtype: torch.dtype, n: int, k: int) -> 
             assert torch.equal(mm.linear(x[at : at + rows], packed, bias, n), full[at : at + rows])
 
 
-@pytest.mark.skipif(not native.bf16_dot(), reason="this CPU has no AVX512-BF16 (the pair-packed path)")
 @pytest.mark.parametrize(("n", "k"), [(100, 41), (576, 1536), (1536, 576)])
 def test_bf16_pairs_are_bfloat16_products_and_batch_invariant(n: int, k: int) -> None:
     """AVX512-BF16: x is rounded to bfloat16 and multiplied by bfloat16 weights in pairs, accumulated in
-    float32; an odd K is padded with a zero pair half."""
+    float32; an odd K is padded with a zero pair half. Kernels built without it refuse pair-packed weights
+    (the backend never packs them there)."""
     torch.manual_seed(0)
     w, bias, x = torch.randn(n, k).bfloat16(), torch.randn(n), torch.randn(29, k)
     mm = CpuMatmul(bf16_dot=True)
     packed = mm.pack(w)
     assert packed.shape == (-(-n // 16), (k + 1) // 2, 16, 2)
+    if not native.bf16_dot():
+        with pytest.raises(RuntimeError, match="need a CPU with AVX512-BF16"):
+            mm.linear(x, packed, bias, n)
+        return
     full = mm.linear(x, packed, bias, n)
     want = x.bfloat16().double() @ w.double().t() + bias.double()
     torch.testing.assert_close(full.double(), want, rtol=1e-5, atol=1e-4)
@@ -57,9 +61,10 @@ def _attend(
     i32 = torch.int32
     q_start, seq = torch.tensor(qsl, dtype=i32), torch.tensor(lens, dtype=i32)
     table = torch.tensor(tables, dtype=i32)
-    kernel_cache = from_standard(cache)
+    pairs = key_pairs(cache.dtype, cache.shape[-1])
+    kernel_cache = from_standard(cache, pairs)
     return torch.ops.kiln_cpu.paged_attention(
-        q, kernel_cache, q_start, seq, table, q.shape[-1] ** -0.5, window
+        q, kernel_cache, q_start, seq, table, q.shape[-1] ** -0.5, window, pairs
     )
 
 
@@ -111,9 +116,18 @@ def test_cpu_cache_writes_are_the_kernels_layout(dtype: torch.dtype) -> None:
     usual = torch.zeros(blocks + 1, 2, bs, kv_heads, dim, dtype=dtype)
     ours = torch.zeros_like(usual)
     standard_write(k, v, usual, slots)
-    write_kv(k, v, ours, slots, key_pairs(dtype, dim))
-    assert torch.equal(ours[:blocks], from_standard(usual)[:blocks])
+    pairs = key_pairs(dtype, dim)
+    write_kv(k, v, ours, slots, pairs)
+    assert torch.equal(ours[:blocks], from_standard(usual, pairs)[:blocks])
     assert ours[:blocks].count_nonzero() == 5 * 2 * kv_heads * dim
+
+
+def test_key_pairs_need_a_bfloat16_cache() -> None:
+    cache = torch.zeros(3, 2, 16, 2, 64, dtype=torch.float16)
+    i32 = torch.int32
+    meta = torch.tensor([0, 1], dtype=i32), torch.tensor([1], dtype=i32), torch.zeros(1, 2, dtype=i32)
+    with pytest.raises(RuntimeError, match="key pairs need a bfloat16 cache"):
+        torch.ops.kiln_cpu.paged_attention(torch.randn(1, 6, 64), cache, *meta, 0.125, 0, True)
 
 
 def test_cpu_attention_needs_block_size_a_multiple_of_8() -> None:

@@ -18,7 +18,7 @@ from kiln.ops.cpu import native
 
 
 def key_pairs(dtype: torch.dtype, head_dim: int) -> bool:
-    """Whether a cache of this dtype keeps K in pairs of d: the kernel decides the same way."""
+    """Whether a cache of this dtype keeps K in pairs of d (chosen once, and passed to the kernel)."""
     return dtype == torch.bfloat16 and head_dim % 2 == 0 and native.bf16_dot()
 
 
@@ -43,10 +43,10 @@ def write_kv(
     kv_cache.view(-1)[torch.cat([k_at, v_at])] = torch.cat([k, v]).to(kv_cache.dtype)
 
 
-def from_standard(cache: torch.Tensor) -> torch.Tensor:
+def from_standard(cache: torch.Tensor, pairs: bool) -> torch.Tensor:
     """A cache in the usual layout (K and V as [block_size, KVH, D] per block) rewritten in the kernel's."""
     n, _, bs, kvh, dim = cache.shape
-    if key_pairs(cache.dtype, dim):  # [n, KVH, D/2, bs, 2] memory
+    if pairs:  # [n, KVH, D/2, bs, 2] memory
         k = cache[:, 0].reshape(n, bs, kvh, dim // 2, 2).permute(0, 2, 3, 1, 4).reshape(n, bs, kvh, dim)
     else:  # [n, KVH, D, bs] memory
         k = cache[:, 0].permute(0, 2, 3, 1).reshape(n, bs, kvh, dim)
@@ -73,5 +73,12 @@ class CpuAttention:
     ) -> torch.Tensor:
         write_kv(k, v, kv_cache, meta.slot_mapping, self.pairs)
         return torch.ops.kiln_cpu.paged_attention(
-            q, kv_cache, meta.query_start_loc, meta.seq_lens, meta.block_table, scale, sliding_window
+            q,
+            kv_cache,
+            meta.query_start_loc,
+            meta.seq_lens,
+            meta.block_table,
+            scale,
+            sliding_window,
+            self.pairs,
         )

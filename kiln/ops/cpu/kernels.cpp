@@ -400,11 +400,6 @@ inline void piece_scores(const float* qt, const KV* const* kt, int64_t bs, int64
       for (int p = 0; p < NV; ++p) _mm256_store_ps(s[i][r] + 8 * p, _mm256_mul_ps(a[i][r][p], vscale));
 }
 
-// bfloat16 caches on AVX512-BF16 builds keep each block's K in pairs of d, [KVH, D/2, bs, 2] (D even), and
-// score with one dot product per pair: the rows' queries rounded to bfloat16 pairs, as a [D/2, R] table.
-template <typename KV>
-inline bool key_pairs(int64_t D) { return kBf16Dot && std::is_same_v<KV, c10::BFloat16> && D % 2 == 0; }
-
 // acc_r[d, d + 8 VW) = acc_r * alpha_r + e_r[j] * v_j for keys j in [u0, u1) in order: one FMA chain per lane.
 template <typename KV, int R, int VW>
 inline void piece_values(float* acc, const float* alpha, const float (*e)[kPiece], const KV* v, int64_t D,
@@ -449,6 +444,7 @@ struct Layout {
   int64_t table_width, bs, kvh_count, D, group;
   float scale;
   int64_t window;
+  bool pairs;  // K in pairs of d, [KVH, D/2, bs, 2], scored by pair dot products of bfloat16 queries
 };
 
 // Request b's row t (a flat row index) sits at position offset(L, b) + t.
@@ -475,7 +471,7 @@ void attend(const Layout& L, const float* q, const KV* kv, float* out, int64_t b
   float* acc = work;          // [R, D]
   float* qt = work + R * D;  // the rows' queries as [D, R]: a pass's broadcasts then share one pointer
   uint32_t* qp = reinterpret_cast<uint32_t*>(qt);  // or, with K in pairs, as bfloat16 pairs [D/2, R]
-  const bool pairs = key_pairs<KV>(D);
+  const bool pairs = L.pairs;
   for (int r = 0; r < R; ++r) {
     pos[r] = offset(L, b) + rows[r].t;
     lo[r] = L.window > 0 ? std::max<int64_t>(0, pos[r] - L.window + 1) : 0;
@@ -610,7 +606,7 @@ constexpr auto attend_table(std::index_sequence<I...>) {
 // the last request (padding) are zero.
 at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& kv_cache, const at::Tensor& query_start_loc,
                            const at::Tensor& seq_lens, const at::Tensor& block_table, double scale,
-                           int64_t sliding_window) {
+                           int64_t sliding_window, bool key_pairs) {
   TORCH_CHECK(q_in.scalar_type() == at::kFloat && q_in.dim() == 3, "kiln_cpu::paged_attention: q must be [T, H, D] float32");
   TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(1) == 2 && kv_cache.is_contiguous(),
               "kiln_cpu::paged_attention: kv_cache must be [blocks, 2, block_size, KVH, D]");
@@ -622,7 +618,9 @@ at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& kv_cache, c
   TORCH_CHECK(kv_cache.size(2) % 8 == 0, "kiln_cpu::paged_attention: block_size must be a multiple of 8");
   const int64_t B = seq_lens.size(0);
   Layout L{query_start_loc.data_ptr<int32_t>(), seq_lens.data_ptr<int32_t>(), block_table.data_ptr<int32_t>(),
-           block_table.size(1), kv_cache.size(2), KVH, D, H / KVH, float(scale), sliding_window};
+           block_table.size(1), kv_cache.size(2), KVH, D, H / KVH, float(scale), sliding_window, key_pairs};
+  TORCH_CHECK(!key_pairs || (kBf16Dot && kv_cache.scalar_type() == at::kBFloat16 && D % 2 == 0),
+              "kiln_cpu::paged_attention: key pairs need a bfloat16 cache, an even head dim and AVX512-BF16");
   at::Tensor out = at::zeros_like(q);
   // Groups of consecutive rows of one request, as many as fill a pass with the group's heads:
   // (request, first row, rows), the longest contexts first. Threads take work items one at a time: split
@@ -721,7 +719,7 @@ TORCH_LIBRARY(kiln_cpu, m) {
   m.def("linear(Tensor x, Tensor w, int n, Tensor? bias) -> Tensor");
   m.def("bf16_dot() -> bool", &bf16_dot);  // whether linear takes pair-packed bfloat16 weights here
   m.def("paged_attention(Tensor q, Tensor kv_cache, Tensor query_start_loc, Tensor seq_lens, "
-        "Tensor block_table, float scale, int sliding_window) -> Tensor");
+        "Tensor block_table, float scale, int sliding_window, bool key_pairs) -> Tensor");
   m.def("apply_bitmask(Tensor(a!) logits, Tensor bitmask, int[] rows) -> ()");
 }
 
