@@ -1,8 +1,10 @@
 """CPU paged attention as a decode step meets it: one call per layer over 30 layers, each layer with its
 own 36 MB KV cache (the default model's 1 GiB), blocks scattered at random, so K/V come from DRAM. `--hot`
 reuses one layer's cache for all 30 (K/V from cache), the way a single-call microbenchmark sees it.
+`--prefill N [N ...]` times a causal prefill of N tokens instead, in 2,048-token chunks as the engine
+runs it, on a bfloat16 cache (K in pairs where the kernels have AVX512-BF16): one layer's calls, times 30.
 
-    .venv/bin/python perf/cpu_attention.py [--hot]
+    .venv/bin/python perf/cpu_attention.py [--hot] [--prefill 1900 7900]
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import time
 import torch
 
 from kiln.ops.cpu import native
+from kiln.ops.cpu.attention import pair_layout
 
 HEADS, KV_HEADS, DIM, BLOCK, BLOCKS, LAYERS = 9, 3, 64, 16, 2912, 30
 
@@ -22,8 +25,11 @@ HEADS, KV_HEADS, DIM, BLOCK, BLOCKS, LAYERS = 9, 3, 64, 16, 2912, 30
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--hot", action="store_true")
+    ap.add_argument("--prefill", type=int, nargs="+", default=[])
     args = ap.parse_args()
     native.load()
+    if args.prefill:
+        return prefill(args.prefill)
     caches = [torch.randn(BLOCKS, 2, BLOCK, KV_HEADS, DIM).half() for _ in range(1 if args.hot else LAYERS)]
     for batch, ctx in [(16, 200), (64, 200), (64, 600)]:
         order = list(range(BLOCKS))
@@ -43,6 +49,29 @@ def main() -> None:
         ms = statistics.median(times) * 1e3
         mb = batch * ctx * 2 * KV_HEADS * DIM * 2 * LAYERS / 1e6
         print(f"batch {batch}, context {ctx}: {ms / LAYERS:.3f} ms per layer, {mb / ms:.1f} GB/s of K/V")
+
+
+def prefill(lengths: list[int], chunk: int = 2048) -> None:
+    pairs = pair_layout(torch.bfloat16, DIM)
+    for n in lengths:
+        width = -(-n // BLOCK)
+        order = list(range(width))
+        random.Random(0).shuffle(order)
+        cache = torch.randn(width, 2, BLOCK, KV_HEADS, DIM).bfloat16()
+        table = torch.tensor([order], dtype=torch.int32)
+        chunks = [(c, min(n, c + chunk)) for c in range(0, n, chunk)]
+        qs = [torch.randn(e - c, HEADS, DIM) for c, e in chunks]
+        times = []
+        for _ in range(3):
+            clock = time.perf_counter()
+            for (c, e), q in zip(chunks, qs):
+                qsl = torch.tensor([0, e - c], dtype=torch.int32)
+                lens = torch.tensor([e], dtype=torch.int32)
+                torch.ops.kiln_cpu.paged_attention(q, cache, qsl, lens, table, DIM**-0.5, 0, pairs)
+            times.append(time.perf_counter() - clock)
+        s = statistics.median(times) * LAYERS
+        flops = 4 * HEADS * DIM * (n * (n + 1) / 2) * LAYERS
+        print(f"prefill {n} tokens (pairs {pairs}): {s:.2f} s for {LAYERS} layers, {flops / s / 1e9:.0f} GFLOP/s")
 
 
 if __name__ == "__main__":

@@ -91,14 +91,14 @@ class Backend:
         device: torch.device,
     ) -> AttentionImpl:  # fmt: skip
         if self.attention == "cpu":
-            from kiln.ops.cpu.attention import CpuAttention, key_pairs
+            from kiln.ops.cpu.attention import CpuAttention, pair_layout
 
             if block_size % 8:
                 raise ValueError(
                     f"cache.block_size {block_size}: kiln's CPU attention reads keys 8 at a time, so it "
                     "needs a multiple of 8 (or backend.attention: torch)"
                 )
-            return CpuAttention(key_pairs(dtype, heads.head_dim))
+            return CpuAttention(pair_layout(dtype, heads.head_dim))
         if self.attention != "flashinfer":
             return TORCH_ATTENTION
         from kiln.ops.flashinfer_attention import FlashInferAttention

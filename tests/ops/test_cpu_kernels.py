@@ -7,7 +7,7 @@ import torch
 
 from kiln.ops.attention import attention as reference_attention
 from kiln.ops.cpu import native
-from kiln.ops.cpu.attention import from_standard, key_pairs, write_kv
+from kiln.ops.cpu.attention import from_standard, pair_layout, write_kv
 from kiln.ops.matmul import CpuMatmul
 
 
@@ -61,7 +61,7 @@ def _attend(
     i32 = torch.int32
     q_start, seq = torch.tensor(qsl, dtype=i32), torch.tensor(lens, dtype=i32)
     table = torch.tensor(tables, dtype=i32)
-    pairs = key_pairs(cache.dtype, cache.shape[-1])
+    pairs = pair_layout(cache.dtype, cache.shape[-1])
     kernel_cache = from_standard(cache, pairs)
     return torch.ops.kiln_cpu.paged_attention(
         q, kernel_cache, q_start, seq, table, q.shape[-1] ** -0.5, window, pairs
@@ -74,23 +74,28 @@ def test_attention_rows_do_not_depend_on_chunking_or_neighbours(
     dtype: torch.dtype, dim: int, block: int, window: int
 ) -> None:
     """Three requests in one call (a 9-token chunk after a cached prefix, a decode, a fresh 7-token
-    prompt) against the torch reference; then each row again alone, in other chunks and as decodes."""
+    prompt) against the torch reference; then each row again alone, in other chunks and as decodes.
+    The slots past each context hold NaN: a slot not written yet may hold anything."""
     torch.manual_seed(0)
     heads, kv_heads, blocks = 6, 2, 12
-    cache = torch.randn(blocks + 1, 2, block, kv_heads, dim).to(dtype)
+    clean = torch.randn(blocks + 1, 2, block, kv_heads, dim).to(dtype)
     order = torch.randperm(blocks).tolist()
     tables = [order[0:4], order[4:8], order[8:12]]
     qsl, lens = [0, 9, 10, 17], [3 * block - 5, block + 3, 7]
+    cache = clean.clone()
+    for table, n in zip(tables, lens):
+        for p in range(n, len(table) * block):
+            cache[table[p // block], :, p % block] = float("nan")
     q = torch.randn(17, heads, dim)
     got = _attend(q, cache, qsl, lens, tables, window)
     none = torch.full((17,), -1)
     nothing = torch.zeros(17, kv_heads, dim)
     want = reference_attention(
-        q, nothing, nothing, cache.clone().float(), none, torch.tensor(qsl, dtype=torch.int32),
+        q, nothing, nothing, clean.float(), none, torch.tensor(qsl, dtype=torch.int32),
         torch.tensor(lens, dtype=torch.int32), torch.tensor(tables, dtype=torch.int32), dim**-0.5, window,
     )  # fmt: skip
-    # With key pairs (bfloat16 on AVX512-BF16) the queries are rounded to bfloat16 for the scores.
-    tol = 2e-2 if key_pairs(dtype, dim) else 1e-5
+    # With pairs (bfloat16 on AVX512-BF16) the queries and the softmax weights are rounded to bfloat16.
+    tol = 2e-2 if pair_layout(dtype, dim) else 1e-5
     torch.testing.assert_close(got, want, rtol=tol, atol=tol)
     ctx = lens[0]
     for split in (1, 2, 4, 5):
@@ -116,17 +121,17 @@ def test_cpu_cache_writes_are_the_kernels_layout(dtype: torch.dtype) -> None:
     usual = torch.zeros(blocks + 1, 2, bs, kv_heads, dim, dtype=dtype)
     ours = torch.zeros_like(usual)
     standard_write(k, v, usual, slots)
-    pairs = key_pairs(dtype, dim)
+    pairs = pair_layout(dtype, dim)
     write_kv(k, v, ours, slots, pairs)
     assert torch.equal(ours[:blocks], from_standard(usual, pairs)[:blocks])
     assert ours[:blocks].count_nonzero() == 5 * 2 * kv_heads * dim
 
 
-def test_key_pairs_need_a_bfloat16_cache() -> None:
+def test_pairs_need_a_bfloat16_cache() -> None:
     cache = torch.zeros(3, 2, 16, 2, 64, dtype=torch.float16)
     i32 = torch.int32
     meta = torch.tensor([0, 1], dtype=i32), torch.tensor([1], dtype=i32), torch.zeros(1, 2, dtype=i32)
-    with pytest.raises(RuntimeError, match="key pairs need a bfloat16 cache"):
+    with pytest.raises(RuntimeError, match="pairs need a bfloat16 cache"):
         torch.ops.kiln_cpu.paged_attention(torch.randn(1, 6, 64), cache, *meta, 0.125, 0, True)
 
 

@@ -7,9 +7,9 @@ prompt, or on whether its prefix came from the prefix cache (fresh K/V are read 
 The cache tensor has the usual shape, [num_blocks + 1, 2, block_size, KVH, D], but the kernel's layout
 inside each block: K transposed per kv head, [KVH, D, block_size], so a query's scores for a row of keys
 come from the GEMM micro-kernel's FMA pattern (keys along vector lanes), then V per kv head,
-[KVH, block_size, D]. With key pairs (a bfloat16 cache, an even D and kernels built with AVX512-BF16), K
-is [KVH, D/2, block_size, 2], pairs of d side by side, for one dot-product instruction per pair. Only this
-module writes it and only the kernel reads it."""
+[KVH, block_size, D]. With pairs (a bfloat16 cache, an even D and kernels built with AVX512-BF16), K is
+[KVH, D/2, block_size, 2], pairs of d side by side, and V is [KVH, block_size/2, D, 2], pairs of keys side
+by side, for one dot-product instruction per pair. Only this module writes it and only the kernel reads it."""
 
 import torch
 
@@ -17,8 +17,9 @@ from kiln.ops.attention import AttnMetadata, StepLayout
 from kiln.ops.cpu import native
 
 
-def key_pairs(dtype: torch.dtype, head_dim: int) -> bool:
-    """Whether a cache of this dtype keeps K in pairs of d (chosen once, and passed to the kernel)."""
+def pair_layout(dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether a cache of this dtype keeps K in pairs of d and V in pairs of keys (chosen once, and passed
+    to the kernel)."""
     return dtype == torch.bfloat16 and head_dim % 2 == 0 and native.bf16_dot()
 
 
@@ -39,7 +40,10 @@ def write_kv(
         k_at = start + heads * (dim * bs) + (dims // 2) * (2 * bs) + at * 2 + dims % 2
     else:  # K^T[h, d, at]
         k_at = start + (heads * dim + dims) * bs + at
-    v_at = start + half + heads * (bs * dim) + at * dim + dims  # V[h, at, d]
+    if pairs:  # V[h, at // 2, d, at % 2]
+        v_at = start + half + heads * (bs * dim) + (at // 2) * (2 * dim) + dims * 2 + at % 2
+    else:  # V[h, at, d]
+        v_at = start + half + heads * (bs * dim) + at * dim + dims
     kv_cache.view(-1)[torch.cat([k_at, v_at])] = torch.cat([k, v]).to(kv_cache.dtype)
 
 
@@ -50,13 +54,16 @@ def from_standard(cache: torch.Tensor, pairs: bool) -> torch.Tensor:
         k = cache[:, 0].reshape(n, bs, kvh, dim // 2, 2).permute(0, 2, 3, 1, 4).reshape(n, bs, kvh, dim)
     else:  # [n, KVH, D, bs] memory
         k = cache[:, 0].permute(0, 2, 3, 1).reshape(n, bs, kvh, dim)
-    v = cache[:, 1].permute(0, 2, 1, 3).reshape(n, bs, kvh, dim)  # [n, KVH, bs, D] memory
+    if pairs:  # [n, KVH, bs/2, D, 2] memory
+        v = cache[:, 1].reshape(n, bs // 2, 2, kvh, dim).permute(0, 3, 1, 4, 2).reshape(n, bs, kvh, dim)
+    else:  # [n, KVH, bs, D] memory
+        v = cache[:, 1].permute(0, 2, 1, 3).reshape(n, bs, kvh, dim)
     return torch.stack([k, v], dim=1)
 
 
 class CpuAttention:
     def __init__(self, pairs: bool) -> None:
-        self.pairs = pairs  # key_pairs(the cache's dtype, head_dim)
+        self.pairs = pairs  # pair_layout(the cache's dtype, head_dim)
 
     def plan(self, layout: StepLayout) -> None:
         pass

@@ -293,8 +293,9 @@ at::Tensor linear(const at::Tensor& x_in, const at::Tensor& w, int64_t n, const 
 bool bf16_dot() { return kBf16Dot; }
 
 // ---------------------------------------------------------------------------------------------------
-// Attention. The cache keeps each block's K transposed per kv head, [KVH, D, bs] (bfloat16 with AVX512-BF16:
-// [KVH, D/2, bs, 2], pairs of d), and its V as [KVH, bs, D] (kiln/ops/cpu/attention.py writes it): a piece
+// Attention. The cache keeps each block's K transposed per kv head, [KVH, D, bs], and its V as [KVH, bs, D]
+// (bfloat16 with AVX512-BF16: K as [KVH, D/2, bs, 2], pairs of d, and V as [KVH, bs/2, D, 2], pairs of
+// keys; kiln/ops/cpu/attention.py writes it): a piece
 // of keys' scores are then one FMA (or pair dot product) chain over d per key with keys along the vector
 // lanes, the way the linear layers' micro-kernel runs, and no score needs a horizontal sum.
 
@@ -317,6 +318,28 @@ inline __m256 exp8(__m256 x) {
   __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(fx), _mm256_set1_epi32(127)), 23);
   return _mm256_andnot_ps(under, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
 }
+
+#if defined(__AVX512BF16__) && defined(__AVX512VL__)
+// exp8's arithmetic on sixteen lanes.
+inline __m512 exp16(__m512 x) {
+  const __m512 hi = _mm512_set1_ps(88.3762626647949f), lo = _mm512_set1_ps(-88.3762626647949f);
+  const __mmask16 under = _mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ);
+  x = _mm512_max_ps(_mm512_min_ps(x, hi), lo);
+  __m512 fx = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(0.693359375f), x);
+  x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(-2.12194440e-4f), x);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, x, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, x, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, x, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, x, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, x, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(x, x), _mm512_add_ps(x, _mm512_set1_ps(1.0f)));
+  __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(fx), _mm512_set1_epi32(127)), 23);
+  return _mm512_maskz_mul_ps(__mmask16(~under), p, _mm512_castsi512_ps(e));
+}
+#endif
 
 inline float hsum(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -342,9 +365,8 @@ constexpr int64_t kPiece = 16;  // keys per online-softmax step: two vectors
 
 // s[i][r][j] = scale * (q_r . k_j) for keys j < 8 * NV of NP pieces; qt holds the rows' queries as [D, R],
 // kt[i] piece i's K^T rows (bs apart). Each score is one FMA chain over d in order, whichever rows and
-// pieces share the pass (a small pass scores several pieces, for enough independent chains). Pairs (K in
-// pairs of d): qt holds bfloat16 pairs [D/2, R] instead, and each score is one chain of pair dot products.
-template <typename KV, int R, int NV, int NP, bool Pairs>
+// pieces share the pass (a small pass scores several pieces, for enough independent chains).
+template <typename KV, int R, int NV, int NP>
 inline void piece_scores(const float* qt, const KV* const* kt, int64_t bs, int64_t D, float scale,
                          float (*s)[R][kPiece]) {
   __m256 a[NP][R][NV];
@@ -354,41 +376,19 @@ inline void piece_scores(const float* qt, const KV* const* kt, int64_t bs, int64
     for (int r = 0; r < R; ++r)
 #pragma GCC unroll 2
       for (int p = 0; p < NV; ++p) a[i][r][p] = _mm256_setzero_ps();
-  if constexpr (Pairs) {
-#if defined(__AVX512BF16__) && defined(__AVX512VL__)
-    const uint32_t* qp = reinterpret_cast<const uint32_t*>(qt);
-    for (int64_t d2 = 0; d2 < D / 2; ++d2) {
-      __m256bh k[NP][NV];
+  for (int64_t d = 0; d < D; ++d) {
+    __m256 k[NP][NV];
+#pragma GCC unroll 4
+    for (int i = 0; i < NP; ++i)
+#pragma GCC unroll 2
+      for (int p = 0; p < NV; ++p) k[i][p] = load8(kt[i] + d * bs + 8 * p);
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) {
+      const __m256 qd = _mm256_broadcast_ss(qt + d * R + r);
 #pragma GCC unroll 4
       for (int i = 0; i < NP; ++i)
 #pragma GCC unroll 2
-        for (int p = 0; p < NV; ++p)
-          k[i][p] = (__m256bh)_mm256_loadu_si256(reinterpret_cast<const __m256i*>(kt[i] + d2 * 2 * bs + 16 * p));
-#pragma GCC unroll 16
-      for (int r = 0; r < R; ++r) {
-        const __m256bh qd = (__m256bh)_mm256_set1_epi32(static_cast<int>(qp[d2 * R + r]));
-#pragma GCC unroll 4
-        for (int i = 0; i < NP; ++i)
-#pragma GCC unroll 2
-          for (int p = 0; p < NV; ++p) a[i][r][p] = _mm256_dpbf16_ps(a[i][r][p], qd, k[i][p]);
-      }
-    }
-#endif
-  } else {
-    for (int64_t d = 0; d < D; ++d) {
-      __m256 k[NP][NV];
-#pragma GCC unroll 4
-      for (int i = 0; i < NP; ++i)
-#pragma GCC unroll 2
-        for (int p = 0; p < NV; ++p) k[i][p] = load8(kt[i] + d * bs + 8 * p);
-#pragma GCC unroll 16
-      for (int r = 0; r < R; ++r) {
-        const __m256 qd = _mm256_broadcast_ss(qt + d * R + r);
-#pragma GCC unroll 4
-        for (int i = 0; i < NP; ++i)
-#pragma GCC unroll 2
-          for (int p = 0; p < NV; ++p) a[i][r][p] = _mm256_fmadd_ps(qd, k[i][p], a[i][r][p]);
-      }
+        for (int p = 0; p < NV; ++p) a[i][r][p] = _mm256_fmadd_ps(qd, k[i][p], a[i][r][p]);
     }
   }
   const __m256 vscale = _mm256_set1_ps(scale);
@@ -399,6 +399,37 @@ inline void piece_scores(const float* qt, const KV* const* kt, int64_t bs, int64
 #pragma GCC unroll 2
       for (int p = 0; p < NV; ++p) _mm256_store_ps(s[i][r] + 8 * p, _mm256_mul_ps(a[i][r][p], vscale));
 }
+
+#if defined(__AVX512BF16__) && defined(__AVX512VL__)
+// piece_scores with K in pairs of d ([D/2, bs, 2]) and qp the rows' queries as bfloat16 pairs [D/2, R]:
+// each score is one chain of pair dot products over d, sixteen keys to a vector. A piece of fewer keys (a
+// block of 8) reads on into the next row of pairs; those lanes are masked.
+template <int R, int NP>
+inline void piece_score_pairs(const uint32_t* qp, const c10::BFloat16* const* kt, int64_t bs, int64_t D,
+                              float scale, float (*s)[R][kPiece]) {
+  __m512 a[NP][R];
+#pragma GCC unroll 4
+  for (int i = 0; i < NP; ++i)
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) a[i][r] = _mm512_setzero_ps();
+  for (int64_t d2 = 0; d2 < D / 2; ++d2) {
+    __m512bh k[NP];
+#pragma GCC unroll 4
+    for (int i = 0; i < NP; ++i) k[i] = (__m512bh)_mm512_loadu_si512(kt[i] + d2 * 2 * bs);
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) {
+      const __m512bh qd = (__m512bh)_mm512_set1_epi32(static_cast<int>(qp[d2 * R + r]));
+#pragma GCC unroll 4
+      for (int i = 0; i < NP; ++i) a[i][r] = _mm512_dpbf16_ps(a[i][r], qd, k[i]);
+    }
+  }
+  const __m512 vscale = _mm512_set1_ps(scale);
+#pragma GCC unroll 4
+  for (int i = 0; i < NP; ++i)
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) _mm512_store_ps(s[i][r], _mm512_mul_ps(a[i][r], vscale));
+}
+#endif
 
 // acc_r[d, d + 8 VW) = acc_r * alpha_r + e_r[j] * v_j for keys j in [u0, u1) in order: one FMA chain per lane.
 template <typename KV, int R, int VW>
@@ -426,6 +457,48 @@ inline void piece_values(float* acc, const float* alpha, const float (*e)[kPiece
     for (int w = 0; w < VW; ++w) _mm256_storeu_ps(acc + r * D + d + 8 * w, a[r][w]);
 }
 
+#if defined(__AVX512BF16__) && defined(__AVX512VL__)
+// With pairs, V is [KVH, bs/2, D, 2]: keys 2p and 2p + 1 of a block side by side for each d. acc_r[d] =
+// acc_r[d] * alpha_r + the pair dot products of (e_r[2p], e_r[2p + 1]) with (v_2p[d], v_2p+1[d]) for pairs p
+// over keys [u0, u1) in order: one chain per lane, accumulated in float32. A pair's key outside [u0, u1) is
+// loaded as zero: it may be a slot not written yet, whose bits need not be a number (0 * NaN is NaN).
+template <int R, int VW>
+inline void piece_value_pairs(float* acc, const float* alpha, const uint32_t (*ep)[kPiece / 2],
+                              const c10::BFloat16* v, int64_t D, int64_t u0, int64_t u1, int64_t d) {
+  __mmask16 lanes[VW];
+  __mmask32 halves[VW];  // the bfloat16 elements of lanes
+#pragma GCC unroll 2
+  for (int w = 0; w < VW; ++w) {
+    const int64_t n = std::clamp<int64_t>(D - d - 16 * w, 0, 16);
+    lanes[w] = __mmask16((1u << n) - 1);
+    halves[w] = __mmask32(n == 16 ? ~0u : (1u << 2 * n) - 1);
+  }
+  __m512 a[R][VW];
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 2
+    for (int w = 0; w < VW; ++w)
+      a[r][w] = _mm512_mul_ps(_mm512_maskz_loadu_ps(lanes[w], acc + r * D + d + 16 * w), _mm512_set1_ps(alpha[r]));
+  for (int64_t p = u0 / 2; 2 * p < u1; ++p) {
+    const __mmask32 keys = (2 * p >= u0 ? 0x55555555u : 0u) | (2 * p + 1 < u1 ? 0xAAAAAAAAu : 0u);
+    __m512bh vv[VW];
+#pragma GCC unroll 2
+    for (int w = 0; w < VW; ++w)
+      vv[w] = (__m512bh)_mm512_maskz_loadu_epi16(keys & halves[w], v + 2 * (p * D + d + 16 * w));
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) {
+      const __m512bh ev = (__m512bh)_mm512_set1_epi32(static_cast<int>(ep[r][p]));
+#pragma GCC unroll 2
+      for (int w = 0; w < VW; ++w) a[r][w] = _mm512_dpbf16_ps(a[r][w], ev, vv[w]);
+    }
+  }
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 2
+    for (int w = 0; w < VW; ++w) _mm512_mask_storeu_ps(acc + r * D + d + 16 * w, lanes[w], a[r][w]);
+}
+#endif
+
 // Asks for this kv head's K^T and V of a KV-cache block ahead of use: blocks sit anywhere in the cache, so
 // the hardware prefetcher cannot guess the next one, and decode attention otherwise waits on memory.
 template <typename KV>
@@ -444,7 +517,6 @@ struct Layout {
   int64_t table_width, bs, kvh_count, D, group;
   float scale;
   int64_t window;
-  bool pairs;  // K in pairs of d, [KVH, D/2, bs, 2], scored by pair dot products of bfloat16 queries
 };
 
 // Request b's row t (a flat row index) sits at position offset(L, b) + t.
@@ -461,7 +533,7 @@ struct Row {
 // online softmax: a row's arithmetic depends on its position alone, never on the rows it is grouped with
 // (the pass spans the union of their contexts; a row's scores off its own keys are masked, and on keys
 // the pass spans but the row does not, e = 0 adds nothing to its sums).
-template <typename KV, int R>
+template <typename KV, int R, bool Pairs>
 void attend(const Layout& L, const float* q, const KV* kv, float* out, int64_t b, const Row* rows, int64_t kvh,
             int64_t H, bool fetch, float* work) {
   const int64_t D = L.D, bs = L.bs, half = bs * L.kvh_count * D;
@@ -471,12 +543,11 @@ void attend(const Layout& L, const float* q, const KV* kv, float* out, int64_t b
   float* acc = work;          // [R, D]
   float* qt = work + R * D;  // the rows' queries as [D, R]: a pass's broadcasts then share one pointer
   uint32_t* qp = reinterpret_cast<uint32_t*>(qt);  // or, with K in pairs, as bfloat16 pairs [D/2, R]
-  const bool pairs = L.pairs;
   for (int r = 0; r < R; ++r) {
     pos[r] = offset(L, b) + rows[r].t;
     lo[r] = L.window > 0 ? std::max<int64_t>(0, pos[r] - L.window + 1) : 0;
     const float* qr = q + (rows[r].t * H + rows[r].h) * D;
-    if (pairs)
+    if constexpr (Pairs)
       for (int64_t d2 = 0; d2 < D / 2; ++d2)
         qp[d2 * R + r] = uint32_t(c10::BFloat16(qr[2 * d2]).x) | uint32_t(c10::BFloat16(qr[2 * d2 + 1]).x) << 16;
     else
@@ -486,13 +557,13 @@ void attend(const Layout& L, const float* q, const KV* kv, float* out, int64_t b
   auto keys_of = [&](int64_t blk) { return kv + int64_t(table[blk]) * 2 * half + kvh * D * bs; };
   auto values_of = [&](int64_t blk) { return kv + int64_t(table[blk]) * 2 * half + half + kvh * bs * D; };
   constexpr int NP = R == 1 ? 4 : R <= 3 ? 2 : 1;
-  alignas(32) float s[NP][R][kPiece];
-  alignas(32) float e[R][kPiece];
-  alignas(32) float shift[(R + 7) / 8 * 8] = {}, alpha[(R + 7) / 8 * 8];  // lanes are rows
+  alignas(64) float s[NP][R][kPiece];
+  alignas(64) float e[R][kPiece];
+  alignas(64) float shift[(R + 15) / 16 * 16] = {}, alpha[(R + 15) / 16 * 16];  // lanes are rows
   std::fill(acc, acc + R * D, 0.0f);
   float m[R];
-  __m256 l[R];
-  for (int r = 0; r < R; ++r) m[r] = -inf, l[r] = _mm256_setzero_ps();
+  alignas(64) float l[R][kPiece] = {};  // each row's softmax denominator, by lane
+  for (int r = 0; r < R; ++r) m[r] = -inf;
   // Keys [v0, v1) of row r in the piece at `base`, and their union [u0, u1) (empty: u0 >= u1).
   struct Span {
     int64_t v0[R], v1[R], u0, u1;
@@ -510,6 +581,33 @@ void attend(const Layout& L, const float* q, const KV* kv, float* out, int64_t b
   // rest; a row with no keys here keeps its max and gets alpha = e^0 = 1, so its sums pass through
   // unchanged. Then every row's sums and accumulators take the piece's keys.
   auto step = [&](const float (*sc)[kPiece], const Span& k, const KV* v) {
+#if defined(__AVX512BF16__) && defined(__AVX512VL__)
+    if constexpr (Pairs) {
+      // Sixteen keys to a vector, in phases over the rows so that their dependency chains overlap.
+      __m512 x[R];
+      __mmask16 own[R];
+#pragma GCC unroll 16
+      for (int r = 0; r < R; ++r) {
+        own[r] = k.v0[r] < k.v1[r] ? __mmask16(((1u << k.v1[r]) - 1) & ~((1u << k.v0[r]) - 1)) : 0;
+        x[r] = _mm512_mask_blend_ps(own[r], _mm512_set1_ps(-inf), _mm512_load_ps(sc[r]));
+        const float m_new = std::max(m[r], _mm512_reduce_max_ps(x[r]));
+        shift[r] = own[r] ? m[r] - m_new : 0.0f;
+        m[r] = m_new;
+      }
+      _mm512_store_ps(alpha, exp16(_mm512_load_ps(shift)));
+      alignas(64) uint32_t ep[R][kPiece / 2];  // e rounded to bfloat16 pairs for V; the sums l keep float32
+#pragma GCC unroll 16
+      for (int r = 0; r < R; ++r) {
+        const __m512 er = _mm512_maskz_mov_ps(own[r], exp16(_mm512_sub_ps(x[r], _mm512_set1_ps(m[r]))));
+        _mm512_store_ps(l[r], _mm512_fmadd_ps(_mm512_load_ps(l[r]), _mm512_set1_ps(alpha[r]), er));
+        _mm256_store_si256(reinterpret_cast<__m256i*>(ep[r]), (__m256i)_mm512_cvtneps_pbh(er));
+      }
+      int64_t d = 0;
+      for (; D - d > 16; d += 32) piece_value_pairs<R, 2>(acc, alpha, ep, v, D, k.u0, k.u1, d);
+      if (d < D) piece_value_pairs<R, 1>(acc, alpha, ep, v, D, k.u0, k.u1, d);
+      return;
+    }
+#endif
     for (int r = 0; r < R; ++r) {
       if (k.v0[r] >= k.v1[r]) {
         shift[r] = 0.0f;
@@ -534,8 +632,9 @@ void attend(const Layout& L, const float* q, const KV* kv, float* out, int64_t b
     // a lone row gets).
     for (int i = 0; i < R; i += 8) _mm256_store_ps(alpha + i, exp8(_mm256_load_ps(shift + i)));
     for (int r = 0; r < R; ++r)
-      l[r] = _mm256_add_ps(_mm256_add_ps(_mm256_mul_ps(l[r], _mm256_set1_ps(alpha[r])), _mm256_load_ps(e[r])),
-                           _mm256_load_ps(e[r] + 8));
+      _mm256_store_ps(l[r], _mm256_add_ps(_mm256_add_ps(_mm256_mul_ps(_mm256_load_ps(l[r]), _mm256_set1_ps(alpha[r])),
+                                                        _mm256_load_ps(e[r])),
+                                          _mm256_load_ps(e[r] + 8)));
     int64_t d = 0;
     for (; d + 16 <= D; d += 16) piece_values<KV, R, 2>(acc, alpha, e, v, D, k.u0, k.u1, d);
     for (; d + 8 <= D; d += 8) piece_values<KV, R, 1>(acc, alpha, e, v, D, k.u0, k.u1, d);
@@ -554,18 +653,15 @@ void attend(const Layout& L, const float* q, const KV* kv, float* out, int64_t b
   int queued = 0;
   auto score = [&](auto nv) {
     constexpr int NV = decltype(nv)::value;
-    auto run = [&](auto in_pairs) {
-      constexpr bool P = decltype(in_pairs)::value;
-      if (queued == NP) {
-        piece_scores<KV, R, NV, NP, P>(qt, kts, bs, D, L.scale, s);
-      } else {
-        for (int i = 0; i < queued; ++i) piece_scores<KV, R, NV, 1, P>(qt, kts + i, bs, D, L.scale, s + i);
-      }
-    };
-    if (pairs)
-      run(std::true_type{});
-    else
-      run(std::false_type{});
+#if defined(__AVX512BF16__) && defined(__AVX512VL__)
+    if constexpr (Pairs) {
+      if (queued == NP) return piece_score_pairs<R, NP>(qp, kts, bs, D, L.scale, s);
+      for (int i = 0; i < queued; ++i) piece_score_pairs<R, 1>(qp, kts + i, bs, D, L.scale, s + i);
+      return;
+    }
+#endif
+    if (queued == NP) return piece_scores<KV, R, NV, NP>(qt, kts, bs, D, L.scale, s);
+    for (int i = 0; i < queued; ++i) piece_scores<KV, R, NV, 1>(qt, kts + i, bs, D, L.scale, s + i);
   };
   auto flush = [&]() {
     if (bs >= kPiece)
@@ -584,21 +680,27 @@ void attend(const Layout& L, const float* q, const KV* kv, float* out, int64_t b
     for (int64_t c0 = 0; c0 < bs; c0 += kPiece) {
       const Span k = span(blk * bs + c0, std::min(kPiece, bs - c0));
       if (k.u0 >= k.u1) continue;
-      kts[queued] = keys_of(blk) + (pairs ? 2 : 1) * c0, vs[queued] = values_of(blk) + c0 * D, spans[queued] = k;
+      kts[queued] = keys_of(blk) + (Pairs ? 2 : 1) * c0, vs[queued] = values_of(blk) + c0 * D, spans[queued] = k;
       if (++queued == NP) flush();
     }
   }
   flush();
   for (int r = 0; r < R; ++r) {
     float* o = out + (rows[r].t * H + rows[r].h) * D;
-    const float inv = 1.0f / hsum(l[r]);
+    float sum;
+#if defined(__AVX512BF16__) && defined(__AVX512VL__)
+    if constexpr (Pairs) sum = _mm512_reduce_add_ps(_mm512_load_ps(l[r]));
+    else
+#endif
+      sum = hsum(_mm256_load_ps(l[r]));
+    const float inv = 1.0f / sum;
     for (int64_t d = 0; d < D; ++d) o[d] = acc[r * D + d] * inv;
   }
 }
 
-template <typename KV, size_t... I>
+template <typename KV, bool Pairs, size_t... I>
 constexpr auto attend_table(std::index_sequence<I...>) {
-  return std::array{&attend<KV, int(I) + 1>...};
+  return std::array{&attend<KV, int(I) + 1, Pairs>...};
 }
 
 // q [T, H, D] float32; kv_cache [blocks, 2, bs, KVH, D] in the layout above; query_start_loc [B+1],
@@ -606,7 +708,7 @@ constexpr auto attend_table(std::index_sequence<I...>) {
 // the last request (padding) are zero.
 at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& kv_cache, const at::Tensor& query_start_loc,
                            const at::Tensor& seq_lens, const at::Tensor& block_table, double scale,
-                           int64_t sliding_window, bool key_pairs) {
+                           int64_t sliding_window, bool pairs) {
   TORCH_CHECK(q_in.scalar_type() == at::kFloat && q_in.dim() == 3, "kiln_cpu::paged_attention: q must be [T, H, D] float32");
   TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(1) == 2 && kv_cache.is_contiguous(),
               "kiln_cpu::paged_attention: kv_cache must be [blocks, 2, block_size, KVH, D]");
@@ -618,9 +720,9 @@ at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& kv_cache, c
   TORCH_CHECK(kv_cache.size(2) % 8 == 0, "kiln_cpu::paged_attention: block_size must be a multiple of 8");
   const int64_t B = seq_lens.size(0);
   Layout L{query_start_loc.data_ptr<int32_t>(), seq_lens.data_ptr<int32_t>(), block_table.data_ptr<int32_t>(),
-           block_table.size(1), kv_cache.size(2), KVH, D, H / KVH, float(scale), sliding_window, key_pairs};
-  TORCH_CHECK(!key_pairs || (kBf16Dot && kv_cache.scalar_type() == at::kBFloat16 && D % 2 == 0),
-              "kiln_cpu::paged_attention: key pairs need a bfloat16 cache, an even head dim and AVX512-BF16");
+           block_table.size(1), kv_cache.size(2), KVH, D, H / KVH, float(scale), sliding_window};
+  TORCH_CHECK(!pairs || (kBf16Dot && kv_cache.scalar_type() == at::kBFloat16 && D % 2 == 0),
+              "kiln_cpu::paged_attention: pairs need a bfloat16 cache, an even head dim and AVX512-BF16");
   at::Tensor out = at::zeros_like(q);
   // Groups of consecutive rows of one request, as many as fill a pass with the group's heads:
   // (request, first row, rows), the longest contexts first. Threads take work items one at a time: split
@@ -643,9 +745,9 @@ at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& kv_cache, c
   const float* qp = q.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const int64_t items = n * KVH * split;
-  auto run = [&](auto* kv) {
+  auto run = [&](auto* kv, auto in_pairs) {
     using KV = std::remove_const_t<std::remove_pointer_t<decltype(kv)>>;
-    static constexpr auto passes = attend_table<KV>(std::make_index_sequence<kPassRows>{});
+    static constexpr auto passes = attend_table<KV, decltype(in_pairs)::value>(std::make_index_sequence<kPassRows>{});
 #pragma omp parallel num_threads(int(std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), items))))
     {
       std::vector<float> work(2 * kPassRows * D);  // a pass's accumulators, then its queries
@@ -666,9 +768,17 @@ at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& kv_cache, c
     }
   };
   switch (kv_cache.scalar_type()) {
-    case at::kHalf: run(kv_cache.data_ptr<c10::Half>()); break;
-    case at::kBFloat16: run(kv_cache.data_ptr<c10::BFloat16>()); break;
-    case at::kFloat: run(kv_cache.data_ptr<float>()); break;
+    case at::kHalf: run(kv_cache.data_ptr<c10::Half>(), std::false_type{}); break;
+    case at::kBFloat16:
+#if defined(__AVX512BF16__) && defined(__AVX512VL__)
+      if (pairs) {
+        run(kv_cache.data_ptr<c10::BFloat16>(), std::true_type{});
+        break;
+      }
+#endif
+      run(kv_cache.data_ptr<c10::BFloat16>(), std::false_type{});
+      break;
+    case at::kFloat: run(kv_cache.data_ptr<float>(), std::false_type{}); break;
     default: TORCH_CHECK(false, "kiln_cpu::paged_attention: kv_cache must be float32, float16 or bfloat16");
   }
   return out;
@@ -719,7 +829,7 @@ TORCH_LIBRARY(kiln_cpu, m) {
   m.def("linear(Tensor x, Tensor w, int n, Tensor? bias) -> Tensor");
   m.def("bf16_dot() -> bool", &bf16_dot);  // whether linear takes pair-packed bfloat16 weights here
   m.def("paged_attention(Tensor q, Tensor kv_cache, Tensor query_start_loc, Tensor seq_lens, "
-        "Tensor block_table, float scale, int sliding_window, bool key_pairs) -> Tensor");
+        "Tensor block_table, float scale, int sliding_window, bool pairs) -> Tensor");
   m.def("apply_bitmask(Tensor(a!) logits, Tensor bitmask, int[] rows) -> ()");
 }
 

@@ -82,7 +82,7 @@ def _register_fakes() -> None:
         return x.new_empty(x.shape[0], n)
 
     @torch.library.register_fake("kiln_cpu::paged_attention")
-    def _(q, kv_cache, query_start_loc, seq_lens, block_table, scale, sliding_window, key_pairs):
+    def _(q, kv_cache, query_start_loc, seq_lens, block_table, scale, sliding_window, pairs):
         return torch.empty_like(q)
 
 
