@@ -92,7 +92,10 @@ class Lowering:
             # graphs never mix with another model's in the same process (see __call__'s guard skipping).
             fn = _layer_forward
             own = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__)
-            self._run_layer = _StepDims(torch.compile(own, dynamic=False, fullgraph=True))
+            # On the CPU a layer's graph runs through a C++ wrapper: the Python one spent longer calling the
+            # kernels and checking their arguments than the elementwise kernels take.
+            options = None if cuda else {"cpp_wrapper": True}
+            self._run_layer = _StepDims(torch.compile(own, dynamic=False, fullgraph=True, options=options))
         self.ready = False
         self.misses = 0  # steps after ready that matched no warmed graph (each ran eagerly, never compiled)
         self.compile_cache: CompileCache | None = None
@@ -103,7 +106,8 @@ class Lowering:
         """The model's forward, with the compiled layer step where there is one (no guard stance)."""
         if self._run_layer is None:
             return self.model(*args)
-        return self.model(*args, run_layer=self._run_layer)
+        # Dims are marked for tracing only: once ready, nothing traces (a miss runs eagerly).
+        return self.model(*args, run_layer=self._run_layer.step if self.ready else self._run_layer)
 
     def pad(self, buf: StepBuffers, num_tokens: int, num_reqs: int, decode_only: bool) -> PaddedStep:
         """Pads the step in buf to a shape a graph serves.
