@@ -64,14 +64,15 @@ def prefill(lengths: list[int], chunk: int = 2048) -> None:
         times = []
         for _ in range(3):
             clock = time.perf_counter()
-            for (c, e), q in zip(chunks, qs):
+            for (c, e), q in zip(chunks, qs, strict=True):
                 qsl = torch.tensor([0, e - c], dtype=torch.int32)
                 lens = torch.tensor([e], dtype=torch.int32)
                 torch.ops.kiln_cpu.paged_attention(q, cache, qsl, lens, table, DIM**-0.5, 0, pairs)
             times.append(time.perf_counter() - clock)
         s = statistics.median(times) * LAYERS
         flops = 4 * HEADS * DIM * (n * (n + 1) / 2) * LAYERS
-        print(f"prefill {n} tokens (pairs {pairs}): {s:.2f} s for {LAYERS} layers, {flops / s / 1e9:.0f} GFLOP/s")
+        rate = flops / s / 1e9
+        print(f"prefill {n} tokens (pairs {pairs}): {s:.2f} s for {LAYERS} layers, {rate:.0f} GFLOP/s")
 
 
 if __name__ == "__main__":

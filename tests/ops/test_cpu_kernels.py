@@ -83,7 +83,7 @@ def test_attention_rows_do_not_depend_on_chunking_or_neighbours(
     tables = [order[0:4], order[4:8], order[8:12]]
     qsl, lens = [0, 9, 10, 17], [3 * block - 5, block + 3, 7]
     cache = clean.clone()
-    for table, n in zip(tables, lens):
+    for table, n in zip(tables, lens, strict=True):
         for p in range(n, len(table) * block):
             cache[table[p // block], :, p % block] = float("nan")
     q = torch.randn(17, heads, dim)
