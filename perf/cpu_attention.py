@@ -2,7 +2,8 @@
 own 36 MB KV cache (the default model's 1 GiB), blocks scattered at random, so K/V come from DRAM. `--hot`
 reuses one layer's cache for all 30 (K/V from cache), the way a single-call microbenchmark sees it.
 `--prefill N [N ...]` times a causal prefill of N tokens instead, in 2,048-token chunks as the engine
-runs it, on a bfloat16 cache (K in pairs where the kernels have AVX512-BF16): one layer's calls, times 30.
+runs it, on a bfloat16 cache (K and V in pairs where the kernels have AVX512-BF16): one layer's calls,
+times 30.
 
     .venv/bin/python perf/cpu_attention.py [--hot] [--prefill 1900 7900]
 """

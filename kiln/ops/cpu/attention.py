@@ -36,13 +36,11 @@ def write_kv(
     start = (blocks * (2 * half))[:, None, None]
     heads = torch.arange(kvh, device=k.device)[:, None]
     dims = torch.arange(dim, device=k.device)
-    if pairs:  # K[h, d // 2, at, d % 2]
+    if pairs:  # K[h, d // 2, at, d % 2], V[h, at // 2, d, at % 2]
         k_at = start + heads * (dim * bs) + (dims // 2) * (2 * bs) + at * 2 + dims % 2
-    else:  # K^T[h, d, at]
-        k_at = start + (heads * dim + dims) * bs + at
-    if pairs:  # V[h, at // 2, d, at % 2]
         v_at = start + half + heads * (bs * dim) + (at // 2) * (2 * dim) + dims * 2 + at % 2
-    else:  # V[h, at, d]
+    else:  # K^T[h, d, at], V[h, at, d]
+        k_at = start + (heads * dim + dims) * bs + at
         v_at = start + half + heads * (bs * dim) + at * dim + dims
     kv_cache.view(-1)[torch.cat([k_at, v_at])] = torch.cat([k, v]).to(kv_cache.dtype)
 
@@ -50,13 +48,11 @@ def write_kv(
 def from_standard(cache: torch.Tensor, pairs: bool) -> torch.Tensor:
     """A cache in the usual layout (K and V as [block_size, KVH, D] per block) rewritten in the kernel's."""
     n, _, bs, kvh, dim = cache.shape
-    if pairs:  # [n, KVH, D/2, bs, 2] memory
+    if pairs:  # K as [n, KVH, D/2, bs, 2] memory, V as [n, KVH, bs/2, D, 2]
         k = cache[:, 0].reshape(n, bs, kvh, dim // 2, 2).permute(0, 2, 3, 1, 4).reshape(n, bs, kvh, dim)
-    else:  # [n, KVH, D, bs] memory
-        k = cache[:, 0].permute(0, 2, 3, 1).reshape(n, bs, kvh, dim)
-    if pairs:  # [n, KVH, bs/2, D, 2] memory
         v = cache[:, 1].reshape(n, bs // 2, 2, kvh, dim).permute(0, 3, 1, 4, 2).reshape(n, bs, kvh, dim)
-    else:  # [n, KVH, bs, D] memory
+    else:  # K as [n, KVH, D, bs] memory, V as [n, KVH, bs, D]
+        k = cache[:, 0].permute(0, 2, 3, 1).reshape(n, bs, kvh, dim)
         v = cache[:, 1].permute(0, 2, 1, 3).reshape(n, bs, kvh, dim)
     return torch.stack([k, v], dim=1)
 

@@ -295,9 +295,9 @@ bool bf16_dot() { return kBf16Dot; }
 // ---------------------------------------------------------------------------------------------------
 // Attention. The cache keeps each block's K transposed per kv head, [KVH, D, bs], and its V as [KVH, bs, D]
 // (bfloat16 with AVX512-BF16: K as [KVH, D/2, bs, 2], pairs of d, and V as [KVH, bs/2, D, 2], pairs of
-// keys; kiln/ops/cpu/attention.py writes it): a piece
-// of keys' scores are then one FMA (or pair dot product) chain over d per key with keys along the vector
-// lanes, the way the linear layers' micro-kernel runs, and no score needs a horizontal sum.
+// keys; kiln/ops/cpu/attention.py writes it): a piece of keys' scores are then one FMA (or pair dot product)
+// chain over d per key with keys along the vector lanes, the way the linear layers' micro-kernel runs, and
+// no score needs a horizontal sum.
 
 // e^x for eight lanes (Cephes' expf: range reduction by ln 2, degree-5 polynomial); e^-inf = 0.
 inline __m256 exp8(__m256 x) {
@@ -320,24 +320,11 @@ inline __m256 exp8(__m256 x) {
 }
 
 #if defined(__AVX512BF16__) && defined(__AVX512VL__)
-// exp8's arithmetic on sixteen lanes.
+// exp8 on sixteen lanes, each half as exp8 computes it.
 inline __m512 exp16(__m512 x) {
-  const __m512 hi = _mm512_set1_ps(88.3762626647949f), lo = _mm512_set1_ps(-88.3762626647949f);
-  const __mmask16 under = _mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ);
-  x = _mm512_max_ps(_mm512_min_ps(x, hi), lo);
-  __m512 fx = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(0.693359375f), x);
-  x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(-2.12194440e-4f), x);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, x, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, x, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, x, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, x, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, x, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_fmadd_ps(p, _mm512_mul_ps(x, x), _mm512_add_ps(x, _mm512_set1_ps(1.0f)));
-  __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(fx), _mm512_set1_epi32(127)), 23);
-  return _mm512_maskz_mul_ps(__mmask16(~under), p, _mm512_castsi512_ps(e));
+  const __m256 lo = exp8(_mm512_castps512_ps256(x));
+  const __m256 hi = exp8(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x), 1)));
+  return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castps_pd(_mm512_castps256_ps512(lo)), _mm256_castps_pd(hi), 1));
 }
 #endif
 
@@ -687,13 +674,8 @@ void attend(const Layout& L, const float* q, const KV* kv, float* out, int64_t b
   flush();
   for (int r = 0; r < R; ++r) {
     float* o = out + (rows[r].t * H + rows[r].h) * D;
-    float sum;
-#if defined(__AVX512BF16__) && defined(__AVX512VL__)
-    if constexpr (Pairs) sum = _mm512_reduce_add_ps(_mm512_load_ps(l[r]));
-    else
-#endif
-      sum = hsum(_mm256_load_ps(l[r]));
-    const float inv = 1.0f / sum;
+    // The pair path sums sixteen lanes; the other path's upper eight stay zero (+ 0 changes nothing).
+    const float inv = 1.0f / (hsum(_mm256_load_ps(l[r])) + hsum(_mm256_load_ps(l[r] + 8)));
     for (int64_t d = 0; d < D; ++d) o[d] = acc[r * D + d] * inv;
   }
 }
