@@ -3,13 +3,14 @@ LM head at batch sizes 1 to 512, paged attention for decode and prefill, and the
 against xgrammar's CPU kernel (random bitmasks over the 49,152-token vocabulary).
 
     .venv/bin/python perf/cpu_kernels.py [--threads 2] [--parts linear attention mask]
-        [--out perf/results/cpu_kernels.json]
+        [--dtype float16|bfloat16] [--rows 1 4 16 64 512] [--out perf/results/cpu_kernels.json]
 
 Linear, per shape and rows M, in ms per call (median of repeated runs for ~0.3 s each):
-- torch-16: what kiln ran before its CPU kernels: torch's 16-bit GEMV for one row, else the 16-bit weight
-  upcast per call and torch's float32 GEMM;
+- torch-16: with `--dtype float16`, what kiln ran before its CPU kernels: torch's 16-bit GEMV for one row,
+  else the 16-bit weight upcast per call and torch's float32 GEMM; with `--dtype bfloat16`, torch's own
+  bfloat16 GEMM (oneDNN, AMX where the CPU has it) on x rounded to bfloat16;
 - torch-32: torch's float32 GEMM on a float32 copy made once (twice the weights' memory);
-- kiln: kiln_cpu::linear on the float16 weights, packed."""
+- kiln: kiln_cpu::linear on the 16-bit weights, packed as the CPU backend packs them."""
 
 from __future__ import annotations
 
@@ -31,7 +32,6 @@ from kiln.ops.matmul import CpuMatmul
 SHAPES = [
     ("qkv", 960, 576), ("o", 576, 576), ("gate_up", 3072, 576), ("down", 576, 1536), ("head", 49152, 576),
 ]  # fmt: skip
-ROWS = [1, 4, 16, 64, 512]
 
 
 def ms(fn: Callable[[], object], budget: float = 0.3) -> float:
@@ -46,18 +46,18 @@ def ms(fn: Callable[[], object], budget: float = 0.3) -> float:
     return statistics.median(times) * 1e3
 
 
-def linear_rows() -> list[dict]:
+def linear_rows(dtype: torch.dtype, rows: list[int]) -> list[dict]:
     out = []
-    pack = CpuMatmul().pack
+    pack = CpuMatmul(bf16_dot=native.bf16_dot()).pack
     for name, n, k in SHAPES:
-        w = torch.randn(n, k).half()
+        w = torch.randn(n, k).to(dtype)
         w32, packed = w.float(), pack(w)
-        for m in ROWS:
+        for m in rows:
             if name == "head" and m > 64:
                 continue
             x = torch.randn(m, k)
-            if m == 1:
-                before = ms(functools.partial(lambda x, w: F.linear(x.half(), w).float(), x, w))
+            if dtype == torch.bfloat16 or m == 1:
+                before = ms(functools.partial(lambda x, w: F.linear(x.to(w.dtype), w).float(), x, w))
             else:
                 before = ms(functools.partial(lambda x, w: F.linear(x, w.float()), x, w))
             row = {
@@ -115,13 +115,20 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", type=Path)
-    parts = {"linear": linear_rows, "attention": attention_rows, "mask": mask_rows}
-    ap.add_argument("--parts", nargs="+", choices=list(parts), default=list(parts))
+    ap.add_argument("--dtype", choices=["float16", "bfloat16"], default="float16", help="linear weights")
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 4, 16, 64, 512], help="linear rows M")
+    parts = ["linear", "attention", "mask"]
+    ap.add_argument("--parts", nargs="+", choices=parts, default=parts)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     native.load()
-    result: dict[str, object] = {"threads": args.threads}
-    result.update({name: parts[name]() for name in args.parts})
+    result: dict[str, object] = {"threads": args.threads, "dtype": args.dtype}
+    if "linear" in args.parts:
+        result["linear"] = linear_rows(getattr(torch, args.dtype), args.rows)
+    if "attention" in args.parts:
+        result["attention"] = attention_rows()
+    if "mask" in args.parts:
+        result["mask"] = mask_rows()
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(result, indent=1))

@@ -78,11 +78,11 @@ class CpuMatmul:
 
     def pack(self, weight: torch.Tensor) -> torch.Tensor:
         """[N, K] -> [ceil(N / 16), K, 16]: sixteen columns side by side, zero past N; or, bfloat16 weights
-        with bf16_dot, [ceil(N / 16), ceil(K / 2), 16, 2]: each column's pairs of k, zero past K too."""
+        with bf16_dot, [ceil(N / 16), 16 * ceil(K / 32), 16, 2]: each column's pairs of k, zero past K too."""
         n, k = weight.shape
         blocks = -(-n // BLOCK)
         pairs = self.bf16_dot and weight.dtype == torch.bfloat16
-        width = k + k % 2 if pairs else k
+        width = -(-k // 32) * 32 if pairs else k  # whole AMX tiles of 16 pairs
         padded = torch.zeros(blocks * BLOCK, width, dtype=weight.dtype, device=weight.device)
         padded[:n, :k] = weight
         if pairs:

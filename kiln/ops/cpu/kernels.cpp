@@ -14,6 +14,8 @@
 #include <torch/library.h>
 
 #include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <array>
@@ -50,9 +52,10 @@ inline float load1(const c10::BFloat16* p) { return static_cast<float>(*p); }
 // one of two packings (kiln/ops/matmul.py's CpuMatmul.pack):
 //  - [NB, K, 16] of any W (column n of block b is w[b, :, n % 16], zero past N): x times w widened to
 //    float32, one FMA per k (Widen);
-//  - [NB, K2, 16, 2] bfloat16, pairs of k side by side (K2 = ceil(K / 2), zero past K), on CPUs with
+//  - [NB, K2, 16, 2] bfloat16, pairs of k side by side (K2 = 16 * ceil(K / 32), zero past K), on CPUs with
 //    AVX512-BF16: x rounded to bfloat16 times w, one dot product of a pair per step, accumulated in
-//    float32 (Dot). Twice Widen's multiplies per instruction.
+//    float32 (Dot; twice Widen's multiplies per instruction), or with AMX, 16 pairs of k for 16 rows by
+//    16 columns per tile multiply (linear_amx).
 
 // Weight bytes to bring into L2 while a tile computes: the next chunk's, spread over the tile's step loop.
 struct Prefetch {
@@ -170,17 +173,20 @@ struct Dot {
   }
 };
 
-// x [M, K] float32 -> [M, K2] pairs of bfloat16 (round to nearest even), zero past K.
-at::Tensor to_pairs(const at::Tensor& x, int64_t K2) {
+// x [M, K] float32 -> [rows, K2] pairs of bfloat16 (round to nearest even), zero past K and past row M.
+at::Tensor to_pairs(const at::Tensor& x, int64_t K2, int64_t rows) {
   const int64_t M = x.size(0), K = x.size(1), ldx = x.stride(0);
-  at::Tensor out = at::empty({M, K2}, x.options().dtype(at::kInt));
+  at::Tensor out = at::empty({rows, K2}, x.options().dtype(at::kInt));
   const float* src = x.data_ptr<float>();
   uint32_t* dst = reinterpret_cast<uint32_t*>(out.data_ptr<int32_t>());
-  at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
     for (int64_t m = begin; m < end; ++m) {
       const float* row = src + m * ldx;
+      const int64_t k_end = m < M ? K : 0;
       for (int64_t k = 0; k < 2 * K2; k += 32) {
-        auto mask = [&](int64_t at) { return __mmask16(at >= K ? 0 : at + 16 <= K ? 0xFFFF : (1u << (K - at)) - 1); };
+        auto mask = [&](int64_t at) {
+          return __mmask16(at >= k_end ? 0 : at + 16 <= k_end ? 0xFFFF : (1u << (k_end - at)) - 1);
+        };
         const __m512 lo = _mm512_maskz_loadu_ps(mask(k), row + k), hi = _mm512_maskz_loadu_ps(mask(k + 16), row + k + 16);
         const __m512i pairs = (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
         const int64_t left = std::min<int64_t>(16, K2 - k / 2);
@@ -193,6 +199,121 @@ at::Tensor to_pairs(const at::Tensor& x, int64_t K2) {
 #else
 constexpr bool kBf16Dot = false;
 #endif
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+// AMX: the pair packing is the tile multiply's own B layout. A block's 16 pairs of k for its 16 columns are
+// one 16 x 64-byte tile, and 16 rows' 16 pairs of x one A tile; one TDPBF16PS adds their products into a
+// 16 x 16 float32 tile. Every call runs every row through the same tile chain over k in order, whatever M
+// (fewer than 16 rows configure shorter tiles; more are padded to whole tiles with zero rows), so a row's
+// bits never depend on the rows beside it. Linux grants a process the tile state on request.
+bool amx() {
+  static const bool granted = [] {
+    constexpr long kReqXcompPerm = 0x1023, kXtileData = 18;
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXtileData) == 0;
+  }();
+  return granted;
+}
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// tmm0-1: A (x rows), tmm2-3: B (weight blocks), tmm4-7: C. Every tile is 64 bytes wide; A and C have
+// `rows` rows, B 16 (pairs of k).
+inline void configure_tiles(int rows) {
+  TileConfig c;
+  for (int t = 0; t < 8; ++t) {
+    c.colsb[t] = 64;
+    c.rows[t] = t == 2 || t == 3 ? 16 : rows;
+  }
+  _tile_loadconfig(&c);
+}
+
+// The tile intrinsics are asm without memory operands: fence the compiler around them.
+inline void compiler_fence() { asm volatile("" ::: "memory"); }
+
+// One row tile by nb (1-4) blocks: C tiles tmm4.. over all K2 pairs, stored to out [16][64] floats.
+inline void amx_row_tile(const uint32_t* x, int64_t ldx, const c10::BFloat16* w, int64_t K2, int nb, float* out) {
+  const int64_t sx = ldx * 4, block = K2 * 2 * kBlock;
+  _tile_zero(4); _tile_zero(5); _tile_zero(6); _tile_zero(7);
+  for (int64_t s = 0; s < K2; s += 16) {
+    const c10::BFloat16* ws = w + s * 2 * kBlock;
+    _tile_loadd(0, x + s, sx);
+    _tile_loadd(2, ws, 64);
+    _tile_dpbf16ps(4, 0, 2);
+    if (nb > 1) { _tile_loadd(3, ws + block, 64); _tile_dpbf16ps(5, 0, 3); }
+    if (nb > 2) { _tile_loadd(2, ws + 2 * block, 64); _tile_dpbf16ps(6, 0, 2); }
+    if (nb > 3) { _tile_loadd(3, ws + 3 * block, 64); _tile_dpbf16ps(7, 0, 3); }
+  }
+  _tile_stored(4, out, 256); _tile_stored(5, out + 16, 256); _tile_stored(6, out + 32, 256); _tile_stored(7, out + 48, 256);
+}
+
+// Two row tiles (32 rows) by nb (1-2) blocks, stored to out [32][64] floats.
+inline void amx_two_row_tiles(const uint32_t* x, int64_t ldx, const c10::BFloat16* w, int64_t K2, int nb, float* out) {
+  const int64_t sx = ldx * 4, block = K2 * 2 * kBlock;
+  _tile_zero(4); _tile_zero(5); _tile_zero(6); _tile_zero(7);
+  for (int64_t s = 0; s < K2; s += 16) {
+    const c10::BFloat16* ws = w + s * 2 * kBlock;
+    _tile_loadd(0, x + s, sx);
+    _tile_loadd(1, x + 16 * ldx + s, sx);
+    _tile_loadd(2, ws, 64);
+    _tile_dpbf16ps(4, 0, 2);
+    _tile_dpbf16ps(6, 1, 2);
+    if (nb > 1) { _tile_loadd(3, ws + block, 64); _tile_dpbf16ps(5, 0, 3); _tile_dpbf16ps(7, 1, 3); }
+  }
+  _tile_stored(4, out, 256); _tile_stored(5, out + 16, 256);
+  _tile_stored(6, out + 16 * 64, 256); _tile_stored(7, out + 16 * 64 + 16, 256);
+}
+
+// x: [rows, K2] pairs, rows = M below 16, else M rounded up to whole tiles (zero past M).
+void linear_amx(const uint32_t* x, int64_t K2, const c10::BFloat16* w, int64_t NB, const float* bias, float* y,
+                int64_t M, int64_t N) {
+  const int64_t block_bytes = K2 * 2 * kBlock * 2;
+  // Blocks per chunk: a chunk (about 256 KiB) stays in L2 while every row tile passes over it.
+  const int64_t chunk = std::max<int64_t>(4, (256 << 10) / block_bytes / 4 * 4);
+  at::parallel_for(0, NB, 1, [&](int64_t begin, int64_t end) {
+    configure_tiles(static_cast<int>(std::min<int64_t>(M, 16)));
+    alignas(64) float out[32][64];
+    auto emit_rows = [&](int64_t m0, int64_t rows, int64_t b, int64_t nb) {
+      compiler_fence();
+      const int64_t n0 = b * kBlock, width = std::min<int64_t>(nb * kBlock, N - n0);
+      for (int64_t m = 0; m < rows; ++m) {
+        float* dst = y + (m0 + m) * N + n0;
+        if (bias)
+          for (int64_t i = 0; i < width; ++i) dst[i] = out[m][i] + bias[n0 + i];
+        else
+          for (int64_t i = 0; i < width; ++i) dst[i] = out[m][i];
+      }
+    };
+    for (int64_t c0 = begin; c0 < end; c0 += chunk) {
+      const int64_t c1 = std::min(end, c0 + chunk);
+      for (int64_t m0 = 0; m0 < M; m0 += 32) {
+        const int64_t rows = std::min<int64_t>(32, M - m0);
+        const uint32_t* xm = x + m0 * K2;
+        if (rows > 16) {
+          for (int64_t b = c0; b < c1; b += 2) {
+            const int nb = static_cast<int>(std::min<int64_t>(2, c1 - b));
+            amx_two_row_tiles(xm, K2, w + b * K2 * 2 * kBlock, K2, nb, &out[0][0]);
+            emit_rows(m0, rows, b, nb);
+          }
+        } else {
+          for (int64_t b = c0; b < c1; b += 4) {
+            const int nb = static_cast<int>(std::min<int64_t>(4, c1 - b));
+            amx_row_tile(xm, K2, w + b * K2 * 2 * kBlock, K2, nb, &out[0][0]);
+            emit_rows(m0, rows, b, nb);
+          }
+        }
+      }
+    }
+    _tile_release();
+  });
+}
+#else
+bool amx() { return false; }
+#endif
+
 
 // Blocks [b0, b1) for rows [0, MR): the tile shape follows the rows left, never the arithmetic.
 template <typename P, int MR>
@@ -252,10 +373,10 @@ at::Tensor linear(const at::Tensor& x_in, const at::Tensor& w, int64_t n, const 
   TORCH_CHECK(x_in.scalar_type() == at::kFloat && x_in.dim() == 2, "kiln_cpu::linear: x must be 2-D float32");
   const bool dot = w.dim() == 4;
   const int64_t K = x_in.size(1);
-  const bool packed = dot ? w.size(1) == (K + 1) / 2 && w.size(2) == kBlock && w.size(3) == 2
+  const bool packed = dot ? w.size(1) == (K + 31) / 32 * 16 && w.size(2) == kBlock && w.size(3) == 2
                           : w.dim() == 3 && w.size(1) == K && w.size(2) == kBlock;
   TORCH_CHECK(packed && w.is_contiguous(),
-              "kiln_cpu::linear: w must be packed [blocks, K, 16], or [blocks, ceil(K / 2), 16, 2] in bfloat16");
+              "kiln_cpu::linear: w must be packed [blocks, K, 16], or [blocks, ceil(K / 32) * 16, 16, 2] in bfloat16");
   TORCH_CHECK(n > (w.size(0) - 1) * kBlock && n <= w.size(0) * kBlock, "kiln_cpu::linear: n does not fit w");
   at::Tensor x = x_in.stride(1) == 1 ? x_in : x_in.contiguous();
   const float* b = nullptr;
@@ -273,7 +394,15 @@ at::Tensor linear(const at::Tensor& x_in, const at::Tensor& w, int64_t n, const 
     TORCH_CHECK(w.scalar_type() == at::kBFloat16, "kiln_cpu::linear: pair-packed weights must be bfloat16");
 #if defined(__AVX512BF16__) && defined(__AVX512VL__)
     const int64_t K2 = w.size(1);
-    const at::Tensor pairs = to_pairs(x, K2);
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+    if (amx()) {
+      const at::Tensor pairs = to_pairs(x, K2, M < 16 ? M : (M + 15) / 16 * 16);
+      linear_amx(reinterpret_cast<const uint32_t*>(pairs.data_ptr<int32_t>()), K2, w.data_ptr<c10::BFloat16>(), NB,
+                 b, yp, M, n);
+      return y;
+    }
+#endif
+    const at::Tensor pairs = to_pairs(x, K2, M);
     linear_impl<Dot>(reinterpret_cast<const uint32_t*>(pairs.data_ptr<int32_t>()), K2,
                      w.data_ptr<c10::BFloat16>(), K2, NB, b, yp, M, n);
 #else
@@ -810,6 +939,7 @@ void apply_bitmask(at::Tensor& logits, const at::Tensor& bitmask, at::IntArrayRe
 TORCH_LIBRARY(kiln_cpu, m) {
   m.def("linear(Tensor x, Tensor w, int n, Tensor? bias) -> Tensor");
   m.def("bf16_dot() -> bool", &bf16_dot);  // whether linear takes pair-packed bfloat16 weights here
+  m.def("amx() -> bool", &amx);              // whether it multiplies them with AMX tiles
   m.def("paged_attention(Tensor q, Tensor kv_cache, Tensor query_start_loc, Tensor seq_lens, "
         "Tensor block_table, float scale, int sliding_window, bool pairs) -> Tensor");
   m.def("apply_bitmask(Tensor(a!) logits, Tensor bitmask, int[] rows) -> ()");
