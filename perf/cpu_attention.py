@@ -3,9 +3,10 @@ own 36 MB KV cache (the default model's 1 GiB), blocks scattered at random, so K
 reuses one layer's cache for all 30 (K/V from cache), the way a single-call microbenchmark sees it.
 `--prefill N [N ...]` times a causal prefill of N tokens instead, in 2,048-token chunks as the engine
 runs it, on a bfloat16 cache (K and V in pairs where the kernels have AVX512-BF16): one layer's calls,
-times 30.
+times 30. `--dtype bfloat16` runs the decode steps on a bfloat16 cache (in pairs, likewise) instead of
+float16.
 
-    .venv/bin/python perf/cpu_attention.py [--hot] [--prefill 1900 7900]
+    .venv/bin/python perf/cpu_attention.py [--hot] [--dtype float16|bfloat16] [--prefill 1900 7900]
 """
 
 from __future__ import annotations
@@ -27,11 +28,15 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--hot", action="store_true")
     ap.add_argument("--prefill", type=int, nargs="+", default=[])
+    ap.add_argument("--dtype", choices=["float16", "bfloat16"], default="float16", help="decode's cache")
     args = ap.parse_args()
     native.load()
     if args.prefill:
         return prefill(args.prefill)
-    caches = [torch.randn(BLOCKS, 2, BLOCK, KV_HEADS, DIM).half() for _ in range(1 if args.hot else LAYERS)]
+    dtype = getattr(torch, args.dtype)
+    pairs = pair_layout(dtype, DIM)
+    layers = 1 if args.hot else LAYERS
+    caches = [torch.randn(BLOCKS, 2, BLOCK, KV_HEADS, DIM).to(dtype) for _ in range(layers)]
     for batch, ctx in [(16, 200), (64, 200), (64, 600)]:
         order = list(range(BLOCKS))
         random.Random(0).shuffle(order)
@@ -45,7 +50,7 @@ def main() -> None:
             clock = time.perf_counter()
             for layer in range(LAYERS):
                 cache = caches[layer % len(caches)]
-                torch.ops.kiln_cpu.paged_attention(q, cache, qsl, lens, table, DIM**-0.5, 0, False)
+                torch.ops.kiln_cpu.paged_attention(q, cache, qsl, lens, table, DIM**-0.5, 0, pairs)
             times.append(time.perf_counter() - clock)
         ms = statistics.median(times) * 1e3
         mb = batch * ctx * 2 * KV_HEADS * DIM * 2 * LAYERS / 1e6

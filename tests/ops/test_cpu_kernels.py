@@ -69,7 +69,9 @@ def _attend(
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
-@pytest.mark.parametrize(("dim", "block", "window"), [(64, 16, 0), (64, 16, 20), (20, 128, 0), (64, 8, 0)])
+@pytest.mark.parametrize(
+    ("dim", "block", "window"), [(64, 16, 0), (64, 16, 20), (128, 32, 20), (20, 128, 0), (64, 8, 0)]
+)
 def test_attention_rows_do_not_depend_on_chunking_or_neighbours(
     dtype: torch.dtype, dim: int, block: int, window: int
 ) -> None:

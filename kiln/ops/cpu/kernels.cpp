@@ -809,6 +809,127 @@ void attend(const Layout& L, const float* q, const KV* kv, float* out, int64_t b
   }
 }
 
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+// attend on AMX tiles, for the pair layout with whole pieces (block_size a multiple of 16) and D a multiple
+// of 32. Per piece of 16 keys, the pass's R rows (1-16) get their scores as one tile (Q by K^T, 32 d per
+// tile multiply), the online softmax runs on them in vectors as the pair path's does, and the piece's values
+// come from one tile multiply per 16 d: e in bfloat16 pairs by V, added to the rows' rescaled accumulators.
+// A tile loads every key of the piece: keys outside the pass's union are zeroed in a copy of V first (an
+// unwritten slot's bits need not be a number). Every pass runs this way, whatever R, so a row's result
+// never depends on the rows beside it.
+bool amx_attention(int64_t bs, int64_t D) { return amx() && bs % kPiece == 0 && D % 32 == 0; }
+
+void attend_amx(const Layout& L, const float* q, const c10::BFloat16* kv, float* out, int64_t b, const Row* rows,
+                int R, int64_t kvh, int64_t H, bool fetch, float* work) {
+  const int64_t D = L.D, bs = L.bs, half = bs * L.kvh_count * D, D2 = D / 2;
+  const int32_t* table = L.table + b * L.table_width;
+  constexpr float inf = std::numeric_limits<float>::infinity();
+  // tmm0 Q (R x 16 pairs of d), tmm1 K^T (16 pairs of d x 16 keys), tmm2 scores (R x 16 keys), tmm3 e
+  // (R x 8 pairs of keys), tmm4/tmm6 V (8 pairs of keys x 16 d), tmm5/tmm7 values (R x 16 d).
+  {
+    TileConfig c;
+    const uint8_t tile_rows[8] = {uint8_t(R), 16, uint8_t(R), uint8_t(R), 8, uint8_t(R), 8, uint8_t(R)};
+    for (int t = 0; t < 8; ++t) c.rows[t] = tile_rows[t], c.colsb[t] = t == 3 ? 32 : 64;
+    _tile_loadconfig(&c);
+  }
+  float* acc = work;                                         // [R, D]
+  uint32_t* qp = reinterpret_cast<uint32_t*>(work + 16 * D);  // the rows' queries as bfloat16 pairs [R, D/2]
+  uint32_t* vz = qp + 16 * D2;                                // a piece's V with keys outside the pass zeroed
+  int64_t pos[16], lo[16];
+  float m[16];
+  alignas(64) float l[16][kPiece] = {}, s[16][kPiece], o[2][16][16], shift[16] = {}, alpha[16];
+  alignas(64) uint32_t ep[16][kPiece / 2];
+  for (int r = 0; r < R; ++r) {
+    pos[r] = offset(L, b) + rows[r].t;
+    lo[r] = L.window > 0 ? std::max<int64_t>(0, pos[r] - L.window + 1) : 0;
+    m[r] = -inf;
+    const float* qr = q + (rows[r].t * H + rows[r].h) * D;
+    for (int64_t d2 = 0; d2 < D2; ++d2)
+      qp[r * D2 + d2] = uint32_t(c10::BFloat16(qr[2 * d2]).x) | uint32_t(c10::BFloat16(qr[2 * d2 + 1]).x) << 16;
+  }
+  std::fill(acc, acc + R * D, 0.0f);
+  const int64_t first = *std::min_element(lo, lo + R) / bs, last = *std::max_element(pos, pos + R) / bs;
+  auto keys_of = [&](int64_t blk) { return kv + int64_t(table[blk]) * 2 * half + kvh * D * bs; };
+  auto values_of = [&](int64_t blk) { return kv + int64_t(table[blk]) * 2 * half + half + kvh * bs * D; };
+  const __m512 scale = _mm512_set1_ps(L.scale);
+  if (fetch)
+    for (int64_t blk = first; blk < std::min(first + kAhead, last + 1); ++blk)
+      prefetch_block(keys_of(blk), values_of(blk), bs * D);
+  for (int64_t blk = first; blk <= last; ++blk) {
+    if (fetch && blk + kAhead <= last) prefetch_block(keys_of(blk + kAhead), values_of(blk + kAhead), bs * D);
+    for (int64_t c0 = 0; c0 < bs; c0 += kPiece) {
+      const int64_t base = blk * bs + c0;
+      __mmask16 own[16], any = 0;
+      for (int r = 0; r < R; ++r) {
+        const int64_t v0 = std::clamp<int64_t>(lo[r] - base, 0, kPiece), v1 = std::clamp<int64_t>(pos[r] + 1 - base, 0, kPiece);
+        own[r] = __mmask16(((1u << v1) - 1) & ~((1u << v0) - 1));
+        any |= own[r];
+      }
+      if (!any) continue;
+      const c10::BFloat16* kt = keys_of(blk) + 2 * c0;
+      const uint32_t* v = reinterpret_cast<const uint32_t*>(values_of(blk) + c0 * D);
+      compiler_fence();
+      _tile_zero(2);
+      for (int64_t d0 = 0; d0 < D2; d0 += 16) {
+        _tile_loadd(0, qp + d0, D2 * 4);
+        _tile_loadd(1, kt + d0 * bs * 2, bs * 4);
+        _tile_dpbf16ps(2, 0, 1);
+      }
+      _tile_stored(2, &s[0][0], 64);
+      compiler_fence();
+      // The online softmax step, sixteen keys to a vector, in phases over the rows.
+      __m512 x[16];
+      for (int r = 0; r < R; ++r) {
+        x[r] = _mm512_mask_blend_ps(own[r], _mm512_set1_ps(-inf), _mm512_mul_ps(_mm512_load_ps(s[r]), scale));
+        const float m_new = std::max(m[r], _mm512_reduce_max_ps(x[r]));
+        shift[r] = own[r] ? m[r] - m_new : 0.0f;
+        m[r] = m_new;
+      }
+      _mm512_store_ps(alpha, exp16(_mm512_load_ps(shift)));
+      for (int r = 0; r < R; ++r) {
+        const __m512 er = _mm512_maskz_mov_ps(own[r], exp16(_mm512_sub_ps(x[r], _mm512_set1_ps(m[r]))));
+        _mm512_store_ps(l[r], _mm512_fmadd_ps(_mm512_load_ps(l[r]), _mm512_set1_ps(alpha[r]), er));
+        _mm256_store_si256(reinterpret_cast<__m256i*>(ep[r]), (__m256i)_mm512_cvtneps_pbh(er));
+      }
+      if (any != 0xFFFF) {  // keys outside every row's span: zeroed in a copy
+        for (int64_t p = 0; p < kPiece / 2; ++p) {
+          const uint32_t keep = ((any >> 2 * p) & 1 ? 0xFFFFu : 0u) | ((any >> (2 * p + 1)) & 1 ? 0xFFFF0000u : 0u);
+          const __m512i k = _mm512_set1_epi32(int(keep));
+          for (int64_t d = 0; d < D; d += 16)
+            _mm512_storeu_si512(vz + p * D + d, _mm512_and_si512(k, _mm512_loadu_si512(v + p * D + d)));
+        }
+        v = vz;
+      }
+      compiler_fence();
+      _tile_loadd(3, &ep[0][0], 32);
+      for (int64_t d0 = 0; d0 < D; d0 += 32) {
+        _tile_zero(5);
+        _tile_zero(7);
+        _tile_loadd(4, v + d0, D * 4);
+        _tile_loadd(6, v + d0 + 16, D * 4);
+        _tile_dpbf16ps(5, 3, 4);
+        _tile_dpbf16ps(7, 3, 6);
+        _tile_stored(5, &o[0][0][0], 64);
+        _tile_stored(7, &o[1][0][0], 64);
+        compiler_fence();
+        for (int r = 0; r < R; ++r)
+          for (int h = 0; h < 2; ++h) {
+            float* a = acc + r * D + d0 + 16 * h;
+            _mm512_storeu_ps(a, _mm512_fmadd_ps(_mm512_loadu_ps(a), _mm512_set1_ps(alpha[r]), _mm512_load_ps(o[h][r])));
+          }
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    float* out_r = out + (rows[r].t * H + rows[r].h) * D;
+    const float inv = 1.0f / (hsum(_mm256_load_ps(l[r])) + hsum(_mm256_load_ps(l[r] + 8)));
+    for (int64_t d = 0; d < D; ++d) out_r[d] = acc[r * D + d] * inv;
+  }
+}
+#else
+bool amx_attention(int64_t, int64_t) { return false; }
+#endif
+
 template <typename KV, bool Pairs, size_t... I>
 constexpr auto attend_table(std::index_sequence<I...>) {
   return std::array{&attend<KV, int(I) + 1, Pairs>...};
@@ -838,7 +959,9 @@ at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& kv_cache, c
   // Groups of consecutive rows of one request, as many as fill a pass with the group's heads:
   // (request, first row, rows), the longest contexts first. Threads take work items one at a time: split
   // evenly, a causal prefill's later (longer) rows would all land on the last thread.
-  const int64_t span = std::max<int64_t>(1, kPassRows / L.group);
+  const bool tiles = pairs && amx_attention(L.bs, D);
+  const int64_t pass_rows = tiles ? 16 : kPassRows;
+  const int64_t span = std::max<int64_t>(1, pass_rows / L.group);
   std::vector<std::array<int64_t, 3>> groups;
   for (int64_t b = 0; b < B; ++b) {
     const int64_t end = std::min<int64_t>(L.qsl[b + 1], T);
@@ -861,7 +984,7 @@ at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& kv_cache, c
     static constexpr auto passes = attend_table<KV, decltype(in_pairs)::value>(std::make_index_sequence<kPassRows>{});
 #pragma omp parallel num_threads(int(std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), items))))
     {
-      std::vector<float> work(2 * kPassRows * D);  // a pass's accumulators, then its queries
+      std::vector<float> work(32 * D);  // a pass's accumulators, then its queries (and, with tiles, a V copy)
       std::vector<Row> rows(span * L.group);
 #pragma omp for schedule(dynamic, 1)
       for (int64_t i = 0; i < items; ++i) {
@@ -871,11 +994,21 @@ at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& kv_cache, c
         int64_t count = 0;
         for (int64_t r = 0; r < n_rows; ++r)
           for (int64_t g = g0; g < g1; ++g) rows[count++] = {t0 + r, kvh * L.group + g};
-        for (int64_t r0 = 0; r0 < count; r0 += kPassRows) {
-          const int64_t pass = std::min<int64_t>(kPassRows, count - r0);
+        for (int64_t r0 = 0; r0 < count; r0 += pass_rows) {
+          const int64_t pass = std::min<int64_t>(pass_rows, count - r0);
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+          if constexpr (std::is_same_v<KV, c10::BFloat16> && decltype(in_pairs)::value)
+            if (tiles) {
+              attend_amx(L, qp, kv, op, b, rows.data() + r0, int(pass), kvh, H, r0 == 0, work.data());
+              continue;
+            }
+#endif
           passes[pass - 1](L, qp, kv, op, b, rows.data() + r0, kvh, H, r0 == 0, work.data());
         }
       }
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+      if (tiles) _tile_release();
+#endif
     }
   };
   switch (kv_cache.scalar_type()) {
