@@ -1,9 +1,10 @@
 """kiln_cpu::linear the way a decode step meets it: the default model's four linear layers (qkv, o,
-gate_up, down) for all 30 layers, each with its own float16 weights (212 MB, far past the caches), called
-in order at M rows. "hot" reuses one layer's weights thirty times (they stay in cache), which is what a
-one-shape benchmark measures; the gap between the two is time spent waiting on memory.
+gate_up, down) for all 30 layers, each with its own 16-bit weights (212 MB, past the caches), packed as
+the CPU backend packs them (bfloat16 in pairs where the kernels have AVX512-BF16), called in order at M
+rows. "hot" reuses one layer's weights thirty times (they stay in cache), which is what a one-shape
+benchmark measures; the gap between the two is time spent waiting on memory.
 
-    .venv/bin/python perf/cpu_linear_layers.py [--rows 1 4 16 64]
+    .venv/bin/python perf/cpu_linear_layers.py [--rows 1 4 16 64] [--dtype float16|bfloat16]
 """
 
 from __future__ import annotations
@@ -43,12 +44,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 4, 16, 64])
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--dtype", choices=["float16", "bfloat16"], default="float16")
     args = ap.parse_args()
     native.load()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    pack = CpuMatmul().pack
-    layers = [[pack(torch.randn(n, k).half()) for n, k in SHAPES] for _ in range(LAYERS)]
+    pack, dtype = CpuMatmul(bf16_dot=native.bf16_dot()).pack, getattr(torch, args.dtype)
+    layers = [[pack(torch.randn(n, k).to(dtype)) for n, k in SHAPES] for _ in range(LAYERS)]
     for m in args.rows:
         cold, hot = ms_per_pass(layers, m), ms_per_pass([layers[0]] * LAYERS, m)
         gflop = 2 * m * sum(n * k for n, k in SHAPES) * LAYERS / 1e9

@@ -449,11 +449,24 @@ inline __m256 exp8(__m256 x) {
 }
 
 #if defined(__AVX512BF16__) && defined(__AVX512VL__)
-// exp8 on sixteen lanes, each half as exp8 computes it.
+// exp8 on sixteen lanes: the same operations in the same order, so each lane's value is exp8's.
 inline __m512 exp16(__m512 x) {
-  const __m256 lo = exp8(_mm512_castps512_ps256(x));
-  const __m256 hi = exp8(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x), 1)));
-  return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castps_pd(_mm512_castps256_ps512(lo)), _mm256_castps_pd(hi), 1));
+  const __m512 hi = _mm512_set1_ps(88.3762626647949f), lo = _mm512_set1_ps(-88.3762626647949f);
+  const __mmask16 under = _mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ);
+  x = _mm512_max_ps(_mm512_min_ps(x, hi), lo);
+  __m512 fx = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(0.693359375f), x);
+  x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(-2.12194440e-4f), x);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, x, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, x, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, x, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, x, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, x, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(x, x), _mm512_add_ps(x, _mm512_set1_ps(1.0f)));
+  const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(fx), _mm512_set1_epi32(127)), 23);
+  return _mm512_maskz_mov_ps(__mmask16(~under), _mm512_mul_ps(p, _mm512_castsi512_ps(e)));
 }
 #endif
 
@@ -810,13 +823,16 @@ void attend(const Layout& L, const float* q, const KV* kv, float* out, int64_t b
 }
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-// attend on AMX tiles, for the pair layout with whole pieces (block_size a multiple of 16) and D a multiple
-// of 32. Per piece of 16 keys, the pass's R rows (1-16) get their scores as one tile (Q by K^T, 32 d per
-// tile multiply), the online softmax runs on them in vectors as the pair path's does, and the piece's values
-// come from one tile multiply per 16 d: e in bfloat16 pairs by V, added to the rows' rescaled accumulators.
-// A tile loads every key of the piece: keys outside the pass's union are zeroed in a copy of V first (an
-// unwritten slot's bits need not be a number). Every pass runs this way, whatever R, so a row's result
-// never depends on the rows beside it.
+// attend on AMX tiles, for the pair layout with block_size a multiple of 16 and D a multiple of 32. The
+// online softmax steps over spans of 64 positions at fixed offsets (0, 64, ...): per span, the pass's R rows
+// (1-16) get the scores of each 16-key piece as one tile (Q by K^T, 32 d per tile multiply), the softmax
+// runs on them in vectors, and the values come from tile multiplies of e in bfloat16 pairs by V, summed
+// over the span's pieces in each 16-d output tile, then added to the rows' rescaled accumulators. A tile
+// loads all of a piece's keys: keys outside every row's span are zeroed in a copy of V first (an unwritten
+// slot's bits need not be a number). Every pass runs this way, whatever R, so a row's result never depends
+// on the rows beside it.
+constexpr int64_t kSpan = 64;  // positions per online-softmax step on tiles: four pieces
+
 bool amx_attention(int64_t bs, int64_t D) { return amx() && bs % kPiece == 0 && D % 32 == 0; }
 
 void attend_amx(const Layout& L, const float* q, const c10::BFloat16* kv, float* out, int64_t b, const Row* rows,
@@ -824,21 +840,22 @@ void attend_amx(const Layout& L, const float* q, const c10::BFloat16* kv, float*
   const int64_t D = L.D, bs = L.bs, half = bs * L.kvh_count * D, D2 = D / 2;
   const int32_t* table = L.table + b * L.table_width;
   constexpr float inf = std::numeric_limits<float>::infinity();
-  // tmm0 Q (R x 16 pairs of d), tmm1 K^T (16 pairs of d x 16 keys), tmm2 scores (R x 16 keys), tmm3 e
-  // (R x 8 pairs of keys), tmm4/tmm6 V (8 pairs of keys x 16 d), tmm5/tmm7 values (R x 16 d).
+  constexpr int P = kSpan / kPiece;
+  // tmm0 Q (R x 16 pairs of d), tmm1 K^T (16 pairs of d x 16 keys), tmm2-5 a piece's scores, then a 16-d
+  // output tile (R x 16 floats), tmm6 V (8 pairs of keys x 16 d), tmm7 e (R x 8 pairs of keys).
   {
     TileConfig c;
-    const uint8_t tile_rows[8] = {uint8_t(R), 16, uint8_t(R), uint8_t(R), 8, uint8_t(R), 8, uint8_t(R)};
-    for (int t = 0; t < 8; ++t) c.rows[t] = tile_rows[t], c.colsb[t] = t == 3 ? 32 : 64;
+    for (int t = 0; t < 8; ++t) c.rows[t] = uint8_t(R), c.colsb[t] = 64;
+    c.rows[1] = 16, c.rows[6] = 8, c.colsb[7] = 32;
     _tile_loadconfig(&c);
   }
   float* acc = work;                                         // [R, D]
   uint32_t* qp = reinterpret_cast<uint32_t*>(work + 16 * D);  // the rows' queries as bfloat16 pairs [R, D/2]
-  uint32_t* vz = qp + 16 * D2;                                // a piece's V with keys outside the pass zeroed
+  uint32_t* vz = qp + 16 * D2;                                // [P][8][D]: V copies with keys zeroed
   int64_t pos[16], lo[16];
   float m[16];
-  alignas(64) float l[16][kPiece] = {}, s[16][kPiece], o[2][16][16], shift[16] = {}, alpha[16];
-  alignas(64) uint32_t ep[16][kPiece / 2];
+  alignas(64) float l[16][kPiece] = {}, s[P][16][kPiece], o[4][16][16], shift[16] = {}, alpha[16];
+  alignas(64) uint32_t ep[16][kSpan / 2];
   for (int r = 0; r < R; ++r) {
     pos[r] = offset(L, b) + rows[r].t;
     lo[r] = L.window > 0 ? std::max<int64_t>(0, pos[r] - L.window + 1) : 0;
@@ -848,76 +865,104 @@ void attend_amx(const Layout& L, const float* q, const c10::BFloat16* kv, float*
       qp[r * D2 + d2] = uint32_t(c10::BFloat16(qr[2 * d2]).x) | uint32_t(c10::BFloat16(qr[2 * d2 + 1]).x) << 16;
   }
   std::fill(acc, acc + R * D, 0.0f);
-  const int64_t first = *std::min_element(lo, lo + R) / bs, last = *std::max_element(pos, pos + R) / bs;
+  const int64_t lo_min = *std::min_element(lo, lo + R), pos_max = *std::max_element(pos, pos + R);
   auto keys_of = [&](int64_t blk) { return kv + int64_t(table[blk]) * 2 * half + kvh * D * bs; };
   auto values_of = [&](int64_t blk) { return kv + int64_t(table[blk]) * 2 * half + half + kvh * bs * D; };
-  const __m512 scale = _mm512_set1_ps(L.scale);
+  const int64_t last = pos_max / bs;
   if (fetch)
-    for (int64_t blk = first; blk < std::min(first + kAhead, last + 1); ++blk)
+    for (int64_t blk = lo_min / bs; blk < std::min(lo_min / bs + kAhead, last + 1); ++blk)
       prefetch_block(keys_of(blk), values_of(blk), bs * D);
-  for (int64_t blk = first; blk <= last; ++blk) {
-    if (fetch && blk + kAhead <= last) prefetch_block(keys_of(blk + kAhead), values_of(blk + kAhead), bs * D);
-    for (int64_t c0 = 0; c0 < bs; c0 += kPiece) {
-      const int64_t base = blk * bs + c0;
-      __mmask16 own[16], any = 0;
-      for (int r = 0; r < R; ++r) {
-        const int64_t v0 = std::clamp<int64_t>(lo[r] - base, 0, kPiece), v1 = std::clamp<int64_t>(pos[r] + 1 - base, 0, kPiece);
-        own[r] = __mmask16(((1u << v1) - 1) & ~((1u << v0) - 1));
-        any |= own[r];
+  const __m512 scale = _mm512_set1_ps(L.scale);
+  for (int64_t base = lo_min / kSpan * kSpan; base <= pos_max; base += kSpan) {
+    auto below = [](int64_t n) { return n >= 64 ? ~0ull : (1ull << n) - 1; };  // bits [0, n)
+    uint64_t own[16], any = 0;  // each row's positions in the span, and their union
+    for (int r = 0; r < R; ++r) {
+      const int64_t v0 = std::clamp<int64_t>(lo[r] - base, 0, kSpan), v1 = std::clamp<int64_t>(pos[r] + 1 - base, 0, kSpan);
+      own[r] = below(v1) & ~below(v0);
+      any |= own[r];
+    }
+    if (!any) continue;
+    __mmask16 used[P];
+    const c10::BFloat16* kt[P];
+    const uint32_t* v[P];
+    for (int j = 0; j < P; ++j) {
+      used[j] = __mmask16(any >> (kPiece * j));
+      if (!used[j]) continue;
+      const int64_t at = base + kPiece * j, blk = at / bs, c0 = at % bs;
+      if (fetch && c0 == 0 && blk + kAhead <= last) prefetch_block(keys_of(blk + kAhead), values_of(blk + kAhead), bs * D);
+      kt[j] = keys_of(blk) + 2 * c0;
+      v[j] = reinterpret_cast<const uint32_t*>(values_of(blk) + c0 * D);
+    }
+    compiler_fence();
+#define KILN_SCORE(T, J)                                        \
+    if (used[J]) {                                              \
+      _tile_zero(T);                                            \
+      for (int64_t d0 = 0; d0 < D2; d0 += 16) {                 \
+        _tile_loadd(0, qp + d0, D2 * 4);                        \
+        _tile_loadd(1, kt[J] + d0 * bs * 2, bs * 4);            \
+        _tile_dpbf16ps(T, 0, 1);                                \
+      }                                                         \
+      _tile_stored(T, &s[J][0][0], 64);                         \
+    }
+    KILN_SCORE(2, 0) KILN_SCORE(3, 1) KILN_SCORE(4, 2) KILN_SCORE(5, 3)
+#undef KILN_SCORE
+    compiler_fence();
+    // The online softmax step: every row's max over the span, the rescales (lanes are rows), then e.
+    auto scores = [&](int r, int j) {
+      const __mmask16 k = __mmask16(own[r] >> (kPiece * j));
+      return _mm512_mask_blend_ps(k, _mm512_set1_ps(-inf), _mm512_mul_ps(_mm512_load_ps(s[j][r]), scale));
+    };
+    for (int r = 0; r < R; ++r) {
+      __m512 x = _mm512_set1_ps(-inf);
+      for (int j = 0; j < P; ++j)
+        if (used[j]) x = _mm512_max_ps(x, scores(r, j));
+      const float m_new = std::max(m[r], _mm512_reduce_max_ps(x));
+      shift[r] = own[r] ? m[r] - m_new : 0.0f;
+      m[r] = m_new;
+    }
+    _mm512_store_ps(alpha, exp16(_mm512_load_ps(shift)));
+    for (int r = 0; r < R; ++r) {
+      __m512 sum = _mm512_mul_ps(_mm512_load_ps(l[r]), _mm512_set1_ps(alpha[r]));
+      for (int j = 0; j < P; ++j) {
+        if (!used[j]) continue;
+        const __mmask16 k = __mmask16(own[r] >> (kPiece * j));
+        const __m512 e = _mm512_maskz_mov_ps(k, exp16(_mm512_sub_ps(scores(r, j), _mm512_set1_ps(m[r]))));
+        sum = _mm512_add_ps(sum, e);
+        _mm256_store_si256(reinterpret_cast<__m256i*>(ep[r] + 8 * j), (__m256i)_mm512_cvtneps_pbh(e));
       }
-      if (!any) continue;
-      const c10::BFloat16* kt = keys_of(blk) + 2 * c0;
-      const uint32_t* v = reinterpret_cast<const uint32_t*>(values_of(blk) + c0 * D);
+      _mm512_store_ps(l[r], sum);
+    }
+    for (int j = 0; j < P; ++j) {
+      if (!used[j] || used[j] == 0xFFFF) continue;  // keys outside every row's span: zeroed in a copy
+      uint32_t* copy = vz + j * 8 * D;
+      for (int64_t p = 0; p < kPiece / 2; ++p) {
+        const uint32_t keep = ((used[j] >> 2 * p) & 1 ? 0xFFFFu : 0u) | ((used[j] >> (2 * p + 1)) & 1 ? 0xFFFF0000u : 0u);
+        const __m512i k = _mm512_set1_epi32(int(keep));
+        for (int64_t d = 0; d < D; d += 16)
+          _mm512_storeu_si512(copy + p * D + d, _mm512_and_si512(k, _mm512_loadu_si512(v[j] + p * D + d)));
+      }
+      v[j] = copy;
+    }
+    compiler_fence();
+    // Output tiles of 16 d, four at a time: each sums the span's pieces, e by V.
+    for (int64_t d0 = 0; d0 < D; d0 += 64) {
+      const int n = int(std::min<int64_t>(4, (D - d0) / 16));
+      _tile_zero(2); _tile_zero(3); _tile_zero(4); _tile_zero(5);
+      for (int j = 0; j < P; ++j) {
+        if (!used[j]) continue;
+        _tile_loadd(7, ep[0] + 8 * j, kSpan * 2);
+        _tile_loadd(6, v[j] + d0, D * 4); _tile_dpbf16ps(2, 7, 6);
+        if (n > 1) { _tile_loadd(6, v[j] + d0 + 16, D * 4); _tile_dpbf16ps(3, 7, 6); }
+        if (n > 2) { _tile_loadd(6, v[j] + d0 + 32, D * 4); _tile_dpbf16ps(4, 7, 6); }
+        if (n > 3) { _tile_loadd(6, v[j] + d0 + 48, D * 4); _tile_dpbf16ps(5, 7, 6); }
+      }
+      _tile_stored(2, o[0], 64); _tile_stored(3, o[1], 64); _tile_stored(4, o[2], 64); _tile_stored(5, o[3], 64);
       compiler_fence();
-      _tile_zero(2);
-      for (int64_t d0 = 0; d0 < D2; d0 += 16) {
-        _tile_loadd(0, qp + d0, D2 * 4);
-        _tile_loadd(1, kt + d0 * bs * 2, bs * 4);
-        _tile_dpbf16ps(2, 0, 1);
-      }
-      _tile_stored(2, &s[0][0], 64);
-      compiler_fence();
-      // The online softmax step, sixteen keys to a vector, in phases over the rows.
-      __m512 x[16];
-      for (int r = 0; r < R; ++r) {
-        x[r] = _mm512_mask_blend_ps(own[r], _mm512_set1_ps(-inf), _mm512_mul_ps(_mm512_load_ps(s[r]), scale));
-        const float m_new = std::max(m[r], _mm512_reduce_max_ps(x[r]));
-        shift[r] = own[r] ? m[r] - m_new : 0.0f;
-        m[r] = m_new;
-      }
-      _mm512_store_ps(alpha, exp16(_mm512_load_ps(shift)));
-      for (int r = 0; r < R; ++r) {
-        const __m512 er = _mm512_maskz_mov_ps(own[r], exp16(_mm512_sub_ps(x[r], _mm512_set1_ps(m[r]))));
-        _mm512_store_ps(l[r], _mm512_fmadd_ps(_mm512_load_ps(l[r]), _mm512_set1_ps(alpha[r]), er));
-        _mm256_store_si256(reinterpret_cast<__m256i*>(ep[r]), (__m256i)_mm512_cvtneps_pbh(er));
-      }
-      if (any != 0xFFFF) {  // keys outside every row's span: zeroed in a copy
-        for (int64_t p = 0; p < kPiece / 2; ++p) {
-          const uint32_t keep = ((any >> 2 * p) & 1 ? 0xFFFFu : 0u) | ((any >> (2 * p + 1)) & 1 ? 0xFFFF0000u : 0u);
-          const __m512i k = _mm512_set1_epi32(int(keep));
-          for (int64_t d = 0; d < D; d += 16)
-            _mm512_storeu_si512(vz + p * D + d, _mm512_and_si512(k, _mm512_loadu_si512(v + p * D + d)));
+      for (int r = 0; r < R; ++r)
+        for (int c = 0; c < n; ++c) {
+          float* a = acc + r * D + d0 + 16 * c;
+          _mm512_storeu_ps(a, _mm512_fmadd_ps(_mm512_loadu_ps(a), _mm512_set1_ps(alpha[r]), _mm512_load_ps(o[c][r])));
         }
-        v = vz;
-      }
-      compiler_fence();
-      _tile_loadd(3, &ep[0][0], 32);
-      for (int64_t d0 = 0; d0 < D; d0 += 32) {
-        _tile_zero(5);
-        _tile_zero(7);
-        _tile_loadd(4, v + d0, D * 4);
-        _tile_loadd(6, v + d0 + 16, D * 4);
-        _tile_dpbf16ps(5, 3, 4);
-        _tile_dpbf16ps(7, 3, 6);
-        _tile_stored(5, &o[0][0][0], 64);
-        _tile_stored(7, &o[1][0][0], 64);
-        compiler_fence();
-        for (int r = 0; r < R; ++r)
-          for (int h = 0; h < 2; ++h) {
-            float* a = acc + r * D + d0 + 16 * h;
-            _mm512_storeu_ps(a, _mm512_fmadd_ps(_mm512_loadu_ps(a), _mm512_set1_ps(alpha[r]), _mm512_load_ps(o[h][r])));
-          }
-      }
     }
   }
   for (int r = 0; r < R; ++r) {
@@ -984,7 +1029,7 @@ at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& kv_cache, c
     static constexpr auto passes = attend_table<KV, decltype(in_pairs)::value>(std::make_index_sequence<kPassRows>{});
 #pragma omp parallel num_threads(int(std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), items))))
     {
-      std::vector<float> work(32 * D);  // a pass's accumulators, then its queries (and, with tiles, a V copy)
+      std::vector<float> work(56 * D);  // a pass's accumulators, then its queries (and, with tiles, V copies)
       std::vector<Row> rows(span * L.group);
 #pragma omp for schedule(dynamic, 1)
       for (int64_t i = 0; i < items; ++i) {
