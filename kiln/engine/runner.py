@@ -225,7 +225,9 @@ class ModelRunner:
     def _throwaway_sampler(self) -> Sampler:
         """The engine's sampler on its own generator: the engine's stream of draws is left as it was."""
         s = self.sampler
-        return Sampler(torch.Generator(device=self.device).manual_seed(0), s.prepare, s.draw, s.mask)
+        return Sampler(
+            torch.Generator(device=self.device).manual_seed(0), s.prepare, s.draw, s.mask, s.argmax
+        )
 
     @torch.inference_mode()
     def warm_sampler(self) -> None:

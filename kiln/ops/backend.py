@@ -19,7 +19,7 @@ from kiln.ops import activation, moe, norm, rotary, sampler
 from kiln.ops.attention import TORCH_ATTENTION, AttentionHeads, AttentionImpl, table_width
 from kiln.ops.cpu import native as cpu_native
 from kiln.ops.matmul import CpuMatmul, Matmul, TorchMatmul
-from kiln.ops.sampler import Draw, Mask, Prepare
+from kiln.ops.sampler import Argmax, Draw, Mask, Prepare
 from kiln.platform import native_matmul_dtypes
 
 log = logging.getLogger(__name__)
@@ -109,18 +109,21 @@ class Backend:
             table_width(max_model_len, block_size), h.head_dim**-0.5, h.sliding_window, self.deterministic,
         )  # fmt: skip
 
-    def sampler_ops(self) -> tuple[Prepare, Draw, Mask]:
-        """The sampler's prepare step (penalties, bias, temperature), its draw and its grammar mask."""
+    def sampler_ops(self) -> tuple[Prepare, Draw, Mask, Argmax]:
+        """The sampler's prepare step (penalties, bias, temperature), its draw, its grammar mask and its
+        greedy argmax."""
         prepare: Prepare = sampler.prepare_logits
         draw: Draw = sampler.draw_tokens
         mask: Mask = sampler.apply_bitmask
+        argmax: Argmax = sampler.argmax
         if self.kernels == "triton":
             from kiln.ops.triton.sampling import prepare_logits as prepare
         if self.kernels == "cpu":
             from kiln.ops.cpu.sampling import apply_bitmask as mask
+            from kiln.ops.cpu.sampling import argmax
         if self.sampler == "flashinfer":
             from kiln.ops.flashinfer_sampling import draw_tokens as draw
-        return prepare, draw, mask
+        return prepare, draw, mask, argmax
 
 
 TORCH_BACKEND = Backend("torch", "torch", "torch")

@@ -151,12 +151,19 @@ Prepare = Callable[[torch.Tensor, "SamplingMetadata"], torch.Tensor]
 Draw = Callable[[torch.Tensor, "SamplingMetadata", torch.Generator | None], torch.Tensor]
 # The structured-output mask, in place: (logits, token bitmask, its rows).
 Mask = Callable[[torch.Tensor, torch.Tensor, list[int]], None]
+# Each row's first maximum: [B, V] float32 -> [B] int64.
+Argmax = Callable[[torch.Tensor], torch.Tensor]
+
+
+def argmax(x: torch.Tensor) -> torch.Tensor:
+    return x.argmax(dim=-1)
 
 
 class Sampler:
     """prepare: penalties, bias and temperature (prepare_logits or its Triton kernel); draw: top-k, top-p,
     min-p and the random draw (draw below, or FlashInfer's sort-free kernels); mask: a grammar's token
-    bitmask (xgrammar's kernel, or kiln's on the CPU). Greedy rows are an exact argmax either way."""
+    bitmask (xgrammar's kernel, or kiln's on the CPU); argmax: greedy rows' exact argmax (torch's, or kiln's
+    on the CPU)."""
 
     def __init__(
         self,
@@ -164,19 +171,23 @@ class Sampler:
         prepare: Prepare | None = None,
         draw: Draw | None = None,
         mask: Mask | None = None,
+        argmax: Argmax = argmax,
     ) -> None:
         self.generator = generator  # for rows without a seed; None means torch's default
         self.prepare = prepare or prepare_logits
         self.draw = draw or draw_tokens
         self.mask = mask or apply_bitmask
+        self.argmax = argmax
 
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
         """logits: the step's own (a grammar masks them in place, so logprobs see only allowed tokens, as
         in vLLM); the rest works on a copy, and logprobs come from the logits before it."""
         if meta.allowed is not None:
             self.mask(logits, *meta.allowed)
-        processed = self.prepare(logits, meta)
-        token_ids = processed.argmax(dim=-1)
+        # All greedy with no penalty, bias or ban: preparing would copy the logits and divide by 1.
+        plain = meta.all_greedy and meta.penalties is None and meta.logit_bias is None and meta.banned is None
+        processed = logits if plain else self.prepare(logits, meta)
+        token_ids = self.argmax(processed)
         if not meta.all_greedy:
             token_ids = torch.where(meta.greedy, token_ids, self.draw(processed, meta, self.generator))
         if not meta.want_logprobs:

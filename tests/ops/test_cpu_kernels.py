@@ -163,3 +163,18 @@ def test_grammar_mask_is_xgrammars(vocab: int) -> None:
     xgr.apply_token_bitmask_inplace(theirs, bitmask, indices=[0, 3, 5])
     assert torch.equal(ours, theirs)
     assert torch.equal(ours[[1, 2, 4]], logits[[1, 2, 4]])
+
+
+@pytest.mark.parametrize("vocab", [5, 64, 49152, 1000 + 7])
+def test_argmax_is_torchs(vocab: int) -> None:
+    """kiln's greedy argmax picks torch.argmax's index: the first maximum, or the first NaN."""
+    torch.manual_seed(0)
+    logits = torch.randn(9, vocab)
+    logits[1] = float("-inf")
+    logits[2, vocab // 3] = logits[2, vocab - 1] = 100.0  # a tie: the first one wins
+    logits[3, vocab // 2] = logits[3, vocab - 1] = float("nan")
+    logits[4, vocab - 1] = float("nan")
+    logits[5, vocab - 1] = float("inf")
+    strided = torch.randn(9, vocab + 3)[:, :vocab]
+    for x in (logits, strided):
+        assert torch.equal(torch.ops.kiln_cpu.argmax(x), x.argmax(dim=-1))

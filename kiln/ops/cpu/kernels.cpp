@@ -1112,6 +1112,47 @@ void apply_bitmask(at::Tensor& logits, const at::Tensor& bitmask, at::IntArrayRe
   });
 }
 
+// Greedy decoding: each row's first maximum, a NaN counting as the maximum (torch.argmax's answer). One
+// pass for the maximum and any NaN, eight lanes at a time, then one for its first index; rows in parallel.
+at::Tensor argmax(const at::Tensor& x_in) {
+  TORCH_CHECK(x_in.scalar_type() == at::kFloat && x_in.dim() == 2 && x_in.size(1) > 0,
+              "kiln_cpu::argmax: x must be 2-D float32 with at least one column");
+  const at::Tensor x = x_in.contiguous();
+  const int64_t M = x.size(0), N = x.size(1), full = N / 8 * 8;
+  at::Tensor out = at::empty({M}, x.options().dtype(at::kLong));
+  const float* xp = x.data_ptr<float>();
+  int64_t* op = out.data_ptr<int64_t>();
+  at::parallel_for(0, M, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t m = begin; m < end; ++m) {
+      const float* row = xp + m * N;
+      __m256 top = _mm256_set1_ps(-std::numeric_limits<float>::infinity()), nan = _mm256_setzero_ps();
+      for (int64_t i = 0; i < full; i += 8) {
+        const __m256 v = _mm256_loadu_ps(row + i);
+        top = _mm256_max_ps(top, v);
+        nan = _mm256_or_ps(nan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+      }
+      float best = hmax(top);
+      bool any_nan = _mm256_movemask_ps(nan) != 0;
+      for (int64_t i = full; i < N; ++i) any_nan |= std::isnan(row[i]), best = std::max(best, row[i]);
+      int64_t at = N;
+      if (any_nan) {
+        at = 0;
+        while (!std::isnan(row[at])) ++at;
+      } else {
+        const __m256 b = _mm256_set1_ps(best);
+        for (int64_t i = 0; i < full && at == N; i += 8) {
+          const int hit = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(row + i), b, _CMP_EQ_OQ));
+          if (hit) at = i + __builtin_ctz(hit);
+        }
+        for (int64_t i = full; i < N && at == N; ++i)
+          if (row[i] == best) at = i;
+      }
+      op[m] = at;
+    }
+  });
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(kiln_cpu, m) {
@@ -1121,10 +1162,12 @@ TORCH_LIBRARY(kiln_cpu, m) {
   m.def("paged_attention(Tensor q, Tensor kv_cache, Tensor query_start_loc, Tensor seq_lens, "
         "Tensor block_table, float scale, int sliding_window, bool pairs) -> Tensor");
   m.def("apply_bitmask(Tensor(a!) logits, Tensor bitmask, int[] rows) -> ()");
+  m.def("argmax(Tensor x) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(kiln_cpu, CPU, m) {
   m.impl("linear", &linear);
   m.impl("paged_attention", &paged_attention);
   m.impl("apply_bitmask", &apply_bitmask);
+  m.impl("argmax", &argmax);
 }
