@@ -24,9 +24,15 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, nargs="+", default=[1900])
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--dtype", default="auto", help="model.dtype (auto, float32, bfloat16, float16)")
+    ap.add_argument("--long-prefill-token-threshold", type=int, default=None, help="default: kiln's")
     args = ap.parse_args()
     logging.basicConfig(level=logging.WARNING)
-    llm = LLM("default", dtype=args.dtype, enable_prefix_caching=False)
+    llm = LLM(
+        "default",
+        dtype=args.dtype,
+        enable_prefix_caching=False,
+        long_prefill_token_threshold=args.long_prefill_token_threshold,
+    )
     vocab = llm.engine.model.dims.vocab_size
     params = SamplingParams(temperature=0.0, max_tokens=1)
     rng = random.Random(0)

@@ -77,9 +77,8 @@ class LLMEngine:
         self.block_manager = BlockManager(
             num_blocks, config.cache.block_size, config.cache.enable_prefix_caching
         )
-        self.scheduler = Scheduler(
-            config.scheduler, self.block_manager, config.scheduler.prefill_chunk(device.type)
-        )
+        chunk = config.scheduler.prefill_chunk(device.type, self.backend.tiles(dtype))
+        self.scheduler = Scheduler(config.scheduler, self.block_manager, chunk)
         self.output = OutputProcessor(
             self.tokenizer, self.eos_token_ids, self.max_model_len, self.scheduler.finish
         )

@@ -86,6 +86,11 @@ class Backend:
             return dataclasses.replace(TORCH_KERNELS, name="cpu", matmul=cpu, activations=torch.float32)
         return torch_kernels(device, dtype)
 
+    def tiles(self, dtype: torch.dtype) -> bool:
+        """Whether a model of this dtype multiplies on AMX tiles: bfloat16 through the CPU kernels, on a CPU
+        that has them."""
+        return self.kernels == "cpu" and dtype == torch.bfloat16 and cpu_native.amx()
+
     def make_attention(
         self, heads: AttentionHeads, block_size: int, max_model_len: int, dtype: torch.dtype,
         device: torch.device,

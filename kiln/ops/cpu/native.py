@@ -94,6 +94,14 @@ def bf16_dot() -> bool:
 
 
 @functools.cache
+def amx() -> bool:
+    """Whether the kernels multiply bfloat16 pairs on AMX tiles here (built with AMX, and granted the tile
+    state by Linux)."""
+    load()
+    return bool(torch.ops.kiln_cpu.amx())
+
+
+@functools.cache
 def available() -> str | None:
     """None when the kernels are loaded, else why not (logged once by the backend choice)."""
     try:
