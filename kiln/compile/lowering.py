@@ -1,13 +1,14 @@
 """How the model's forward runs: eagerly, or lowered by torch.compile (and captured into CUDA graphs), with
 the per-bucket warmup that builds every graph before serving, through the compile cache. The lowering owns
 its graphs: it pads each step to the shape a graph was built for, and keys the cache by everything the
-graphs depend on. It wraps the model without changing it: the model's forward takes the layer step to run.
+graphs depend on. It wraps the model without changing it: the model's forward takes what runs its layers.
 
-CPU lowering: each decoder layer is compiled on its own (they share one code object, so dynamo traces
-one layer and every layer reuses its graph) with a dynamic token dimension. Dynamo specializes size 1,
-so there are three graph classes: a batch of one, a decode batch of any other size, and a mixed batch.
-Warmup runs one bucket of each class; every other bucket shares those graphs (BENCHMARKS.md has the
-static-per-bucket comparison that chose this)."""
+CPU lowering: the decoder layers are compiled in equal groups of consecutive layers, at most five calls
+a step (30 layers: 5 groups of 6). The layers' weights are graph inputs, so dynamo traces one group and
+every group of the same layers reuses its graph; on CUDA, a group is one layer. The token dimension is
+dynamic. Dynamo specializes size 1, so there are three graph classes: a batch of one, a decode batch of
+any other size, and a mixed batch. Warmup runs one bucket of each class; every other bucket shares those
+graphs (BENCHMARKS.md has the static-per-bucket comparison that chose this)."""
 
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ from kiln.compile.buckets import Bucket, BucketPlan
 from kiln.compile.buffers import StepBuffers
 from kiln.compile.cache import CompileCache, environment
 from kiln.compile.cudagraph import CudaGraphs
-from kiln.models.decoder import DecoderLayer, DecoderModel
+from kiln.models.decoder import DecoderLayer, DecoderModel, run_layers
 from kiln.ops.backend import Backend
 from kiln.platform import configure_torch, describe, has_cxx
 
@@ -85,17 +86,21 @@ class Lowering:
         if self.mode == "cudagraph" and not cuda:
             raise ValueError("compile mode 'cudagraph' needs a CUDA device; use 'compiled' or 'eager'")
         self.graphs = CudaGraphs() if self.mode == "cudagraph" else None
-        self._run_layer: Callable[..., Any] | None = None
+        self._run_layers: _Groups | None = None
         if self.mode in ("compiled", "cudagraph"):
             configure_torch()
             # A copy of the function with its own code object gets its own dynamo cache: this model's
             # graphs never mix with another model's in the same process (see __call__'s guard skipping).
-            fn = _layer_forward
+            fn = run_layers
             own = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__)
             # On the CPU a layer's graph runs through a C++ wrapper: the Python one spent longer calling the
             # kernels and checking their arguments than the elementwise kernels take.
             options = None if cuda else {"cpp_wrapper": True}
-            self._run_layer = _StepDims(torch.compile(own, dynamic=False, fullgraph=True, options=options))
+            compiled = torch.compile(own, dynamic=False, fullgraph=True, options=options)
+            # On the CPU several layers share a graph: one call per layer cost more than a third of a
+            # batch-1 step in dynamo's and the wrapper's per-call work (BENCHMARKS.md, eighth steps).
+            size = 1 if cuda else group_size(model.dims.num_layers)
+            self._run_layers = _Groups(_StepDims(compiled), size)
         self.ready = False
         self.misses = 0  # steps after ready that matched no warmed graph (each ran eagerly, never compiled)
         self.compile_cache: CompileCache | None = None
@@ -104,10 +109,10 @@ class Lowering:
 
     def forward(self, *args: Any) -> torch.Tensor:
         """The model's forward, with the compiled layer step where there is one (no guard stance)."""
-        if self._run_layer is None:
+        if self._run_layers is None:
             return self.model(*args)
         # Dims are marked for tracing only: once ready, nothing traces (a miss runs eagerly).
-        return self.model(*args, run_layer=self._run_layer.step if self.ready else self._run_layer)
+        return self.model(*args, run=self._run_layers.ready if self.ready else self._run_layers)
 
     def pad(self, buf: StepBuffers, num_tokens: int, num_reqs: int, decode_only: bool) -> PaddedStep:
         """Pads the step in buf to a shape a graph serves.
@@ -250,14 +255,41 @@ class Lowering:
         return reports
 
 
-def _layer_forward(layer: torch.nn.Module, *args: Any) -> Any:
-    return type(layer).forward(layer, *args)
+def group_size(num_layers: int, calls: int = 5) -> int:
+    """Layers per compiled call on the CPU: the smallest divisor of num_layers that makes at most `calls`
+    calls a step, so every group has one size (and, for one kind of layer, one graph)."""
+    return next(g for g in range(-(-num_layers // calls), num_layers + 1) if num_layers % g == 0)
+
+
+class _Groups:
+    """Runs the layer stack as consecutive groups of `size` layers, one compiled call per group."""
+
+    def __init__(self, step: _StepDims, size: int) -> None:
+        self.step, self.size = step, size
+
+    def __call__(self, *args: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._run(self.step, *args)
+
+    def ready(self, *args: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """Once ready: the compiled step without marking dims (nothing traces any more)."""
+        return self._run(self.step.step, *args)
+
+    def _run(
+        self, step: Callable[..., Any], layers: tuple[torch.nn.Module, ...], x: torch.Tensor,
+        residual: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor | None,
+        kv_caches: tuple[torch.Tensor, ...], meta: Any,
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        n = self.size
+        for i in range(0, len(layers), n):
+            x, residual = step(layers[i : i + n], x, residual, positions, cos_sin, kv_caches[i : i + n], meta)
+        return x, residual
 
 
 class _StepDims:
-    """Runs the compiled layer step with only the step-dependent dims marked dynamic, as DecoderLayer
-    declares them (STEP_DIMS, by forward's parameter names). Leaving every dim dynamic (dynamic=True) also
-    made the KV cache's and weights' dims symbolic, and tracing spent most of its time on them."""
+    """Runs the compiled group of layers with only the step-dependent dims marked dynamic, as DecoderLayer
+    declares them (STEP_DIMS, by forward's parameter names, which run_layers shares). Leaving every dim
+    dynamic (dynamic=True) also made the KV cache's and weights' dims symbolic, and tracing spent most of
+    its time on them."""
 
     def __init__(self, step: Callable[..., Any]) -> None:
         self.step = step

@@ -1,7 +1,7 @@
 """One generic decoder, built from an ArchSpec and its ModelDims. Read top to bottom: embed, layers, norm."""
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
 
 import torch
@@ -142,8 +142,23 @@ class DecoderLayer(nn.Module):
         return self.mlp(h), residual
 
 
-# Calls one decoder layer: the module's own __call__, or the lowering's compiled layer step.
-RunLayer = Callable[..., tuple[torch.Tensor, torch.Tensor]]
+# Runs decoder layers in order: (layers, x, residual, positions, cos_sin, kv_caches, meta) -> (x, residual).
+# run_layers below, or the lowering's compiled groups of layers.
+RunLayers = Callable[..., tuple[torch.Tensor, torch.Tensor]]
+
+
+def run_layers(
+    layers: Sequence[nn.Module],
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin: torch.Tensor | None,
+    kv_caches: Sequence[torch.Tensor],
+    meta: AttnMetadata,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    for layer, kv_cache in zip(layers, kv_caches, strict=True):
+        x, residual = layer(x, residual, positions, cos_sin, kv_cache, meta)
+    return x, residual
 
 
 class DecoderModel(nn.Module):
@@ -185,7 +200,7 @@ class DecoderModel(nn.Module):
         positions: torch.Tensor,
         kv_caches: list[torch.Tensor],
         meta: AttnMetadata,
-        run_layer: RunLayer = nn.Module.__call__,
+        run: RunLayers = run_layers,
     ) -> torch.Tensor:
         x = self.embed(input_ids)
         if self.pos_embed is not None:
@@ -194,8 +209,8 @@ class DecoderModel(nn.Module):
             x = x.to(self.kernels.activations)
         # A zero residual rather than None, so every layer runs the same code and shares one compiled graph.
         residual = torch.zeros_like(x)
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            x, residual = run_layer(layer, x, residual, positions, self.cos_sin, kv_cache, meta)
+        layers = tuple(self.layers)
+        x, residual = run(layers, x, residual, positions, self.cos_sin, tuple(kv_caches), meta)
         return self.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
