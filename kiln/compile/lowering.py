@@ -13,7 +13,6 @@ graphs (BENCHMARKS.md has the static-per-bucket comparison that chose this)."""
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import logging
 import time
 import types
@@ -32,7 +31,8 @@ from kiln.compile.buckets import Bucket, BucketPlan
 from kiln.compile.buffers import StepBuffers
 from kiln.compile.cache import CompileCache, environment
 from kiln.compile.cudagraph import CudaGraphs
-from kiln.models.decoder import DecoderLayer, DecoderModel, run_layers
+from kiln.compile.groups import LayerGroups, StepDims, group_size
+from kiln.models.decoder import DecoderModel, run_layers
 from kiln.ops.backend import Backend
 from kiln.platform import configure_torch, describe, has_cxx
 
@@ -86,7 +86,7 @@ class Lowering:
         if self.mode == "cudagraph" and not cuda:
             raise ValueError("compile mode 'cudagraph' needs a CUDA device; use 'compiled' or 'eager'")
         self.graphs = CudaGraphs() if self.mode == "cudagraph" else None
-        self._run_layers: _Groups | None = None
+        self._run_layers: LayerGroups | None = None
         if self.mode in ("compiled", "cudagraph"):
             configure_torch()
             # A copy of the function with its own code object gets its own dynamo cache: this model's
@@ -100,7 +100,7 @@ class Lowering:
             # On the CPU several layers share a graph: one call per layer cost more than a third of a
             # batch-1 step in dynamo's and the wrapper's per-call work (BENCHMARKS.md, eighth steps).
             size = 1 if cuda else group_size(model.dims.num_layers)
-            self._run_layers = _Groups(_StepDims(compiled), size)
+            self._run_layers = LayerGroups(StepDims(compiled), size)
         self.ready = False
         self.misses = 0  # steps after ready that matched no warmed graph (each ran eagerly, never compiled)
         self.compile_cache: CompileCache | None = None
@@ -253,57 +253,6 @@ class Lowering:
                 log.info("bucket %s (%s): %s in %.2f s", bucket, covers, source, seconds)
         self.ready = True
         return reports
-
-
-def group_size(num_layers: int, calls: int = 5) -> int:
-    """Layers per compiled call on the CPU: the smallest divisor of num_layers that makes at most `calls`
-    calls a step, so every group has one size (and, for one kind of layer, one graph)."""
-    return next(g for g in range(-(-num_layers // calls), num_layers + 1) if num_layers % g == 0)
-
-
-class _Groups:
-    """Runs the layer stack as consecutive groups of `size` layers, one compiled call per group."""
-
-    def __init__(self, step: _StepDims, size: int) -> None:
-        self.step, self.size = step, size
-
-    def __call__(self, *args: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        return self._run(self.step, *args)
-
-    def ready(self, *args: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        """Once ready: the compiled step without marking dims (nothing traces any more)."""
-        return self._run(self.step.step, *args)
-
-    def _run(
-        self, step: Callable[..., Any], layers: tuple[torch.nn.Module, ...], x: torch.Tensor,
-        residual: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor | None,
-        kv_caches: tuple[torch.Tensor, ...], meta: Any,
-    ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-        n = self.size
-        for i in range(0, len(layers), n):
-            x, residual = step(layers[i : i + n], x, residual, positions, cos_sin, kv_caches[i : i + n], meta)
-        return x, residual
-
-
-class _StepDims:
-    """Runs the compiled group of layers with only the step-dependent dims marked dynamic, as DecoderLayer
-    declares them (STEP_DIMS, by forward's parameter names, which run_layers shares). Leaving every dim
-    dynamic (dynamic=True) also made the KV cache's and weights' dims symbolic, and tracing spent most of
-    its time on them."""
-
-    def __init__(self, step: Callable[..., Any]) -> None:
-        self.step = step
-        names = list(inspect.signature(DecoderLayer.forward).parameters)[1:]  # after self
-        self.marks: list[tuple[int, str | None, int]] = []  # (argument, its field or None, dim)
-        for name, dims in DecoderLayer.STEP_DIMS.items():
-            fields = dims.items() if isinstance(dims, dict) else [(None, dims)]
-            self.marks += [(names.index(name), f, dim) for f, f_dims in fields for dim in f_dims]
-
-    def __call__(self, layer: torch.nn.Module, *args: Any) -> Any:
-        for index, field, dim in self.marks:
-            value = args[index] if field is None else getattr(args[index], field)
-            torch._dynamo.maybe_mark_dynamic(value, dim)
-        return self.step(layer, *args)
 
 
 @contextmanager
