@@ -1,9 +1,10 @@
 """Every question kiln asks of the machine, answered in one place: which device, what it is, whether a C++
 compiler is there for Inductor, and which dtypes its matrix multiplies run natively. The process-wide
-torch settings kiln changes are set here too, once (`configure_torch`)."""
+torch and allocator settings kiln changes are set here too, once (`configure_torch`, `keep_freed_memory`)."""
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import os
 import platform
@@ -58,3 +59,16 @@ def configure_torch() -> None:
       a process may build many models (the tests do); each lowering's graphs are its own code object's,
       but the shared paged-decode kernel sees every model's shapes."""
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+
+
+@functools.cache
+def keep_freed_memory() -> bool:
+    """Has glibc keep freed blocks up to 32 MiB for reuse (its largest mmap threshold), rather than handing
+    them back to the kernel: on a CPU a step's activations are freed and allocated again every step, and
+    each page of a returned block faults in anew, 9% of a 2,048-token prefill (BENCHMARKS.md, ninth
+    steps). Returns whether glibc took the settings."""
+    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+        return False
+    trim_threshold, mmap_threshold = -1, -3  # malloc.h's M_TRIM_THRESHOLD, M_MMAP_THRESHOLD
+    libc = ctypes.CDLL(None)
+    return bool(libc.mallopt(mmap_threshold, 32 << 20)) and bool(libc.mallopt(trim_threshold, 1 << 30))

@@ -23,6 +23,7 @@ from kiln.models.decoder import DecoderModel
 from kiln.ops.attention import AttnMetadata, StepLayout
 from kiln.ops.backend import TORCH_BACKEND, Backend
 from kiln.ops.sampler import Penalties, Sampler, SamplerOutput, SamplingMetadata, compute_logprobs
+from kiln.platform import keep_freed_memory
 from kiln.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -58,6 +59,8 @@ class ModelRunner:
         self.model = model
         self.grammars = grammars
         self.device = model.embed.weight.device
+        if self.device.type == "cpu":
+            keep_freed_memory()
         self.dtype = model.embed.weight.dtype
         self.block_size = config.cache.block_size
         self.max_model_len = max_model_len
