@@ -98,7 +98,16 @@ class CpuMatmul:
     def linear(
         self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, n: int
     ) -> torch.Tensor:
-        return torch.ops.kiln_cpu.linear(x, weight, n, bias)
+        return torch.ops.kiln_cpu.linear(self._rounded(x, weight), weight, n, bias)
 
     def logits(self, hidden: torch.Tensor, head: torch.Tensor, n: int) -> torch.Tensor:
-        return torch.ops.kiln_cpu.linear(hidden.float(), head, n, None)
+        return torch.ops.kiln_cpu.linear(self._rounded(hidden.float(), head), head, n, None)
+
+    @staticmethod
+    def _rounded(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """Pair-packed weights multiply x rounded to bfloat16, whose rows are their own pairs where K is
+        whole tiles of 32: rounded here, Inductor fuses the rounding into the kernel that makes x, and
+        the float32 x is neither written nor read again (the kernel would round a copy itself)."""
+        if weight.dim() == 4 and x.shape[-1] % 32 == 0:
+            return x.to(torch.bfloat16)
+        return x

@@ -33,10 +33,11 @@ def test_linear_rows_are_batch_invariant(dtype: torch.dtype, n: int, k: int) -> 
 @pytest.mark.parametrize(("n", "k"), [(100, 41), (576, 1536), (1536, 576)])
 def test_bf16_pairs_are_bfloat16_products_and_batch_invariant(n: int, k: int) -> None:
     """AVX512-BF16: x is rounded to bfloat16 and multiplied by bfloat16 weights in pairs, accumulated in
-    float32 (with AMX, in tiles of 16 rows); K is padded with zero pairs to whole tiles of 32. Kernels built
+    float32 (with AMX, in tiles of up to 16 rows); K is padded with zero pairs to whole tiles of 32. Where
+    K is whole tiles, x may come rounded already (CpuMatmul rounds it), with the same bits. Kernels built
     without it refuse pair-packed weights (the backend never packs them there)."""
     torch.manual_seed(0)
-    w, bias, x = torch.randn(n, k).bfloat16(), torch.randn(n), torch.randn(40, k)
+    w, bias, x = torch.randn(n, k).bfloat16(), torch.randn(n), torch.randn(64, k)
     mm = CpuMatmul(bf16_dot=True)
     packed = mm.pack(w)
     assert packed.shape == (-(-n // 16), -(-k // 32) * 16, 16, 2)
@@ -47,12 +48,21 @@ def test_bf16_pairs_are_bfloat16_products_and_batch_invariant(n: int, k: int) ->
     full = mm.linear(x, packed, bias, n)
     want = x.bfloat16().double() @ w.double().t() + bias.double()
     torch.testing.assert_close(full.double(), want, rtol=1e-5, atol=1e-4)
-    for rows in (1, 2, 3, 7, 8, 9, 13, 16, 17, 31, 33):
-        for at in (0, 4, 40 - rows):
+    for rows in (1, 2, 3, 7, 8, 9, 13, 16, 17, 31, 33, 50):
+        for at in (0, 4, 64 - rows):
             assert torch.equal(mm.linear(x[at : at + rows], packed, bias, n), full[at : at + rows])
-    strided = torch.randn(40, k + 3)[:, :k]
+    assert torch.equal(torch.ops.kiln_cpu.linear(x, packed, n, bias), full)
+    strided = torch.randn(64, k + 3)[:, :k]
     strided.copy_(x)
     assert torch.equal(mm.linear(strided, packed, bias, n), full)
+    if k % 32 == 0:
+        for pad in (32, 3):  # rows an even or odd number of bfloat16 apart: read in place, or copied
+            rounded = torch.randn(64, k + pad).bfloat16()[:, :k]
+            rounded.copy_(x)
+            assert torch.equal(torch.ops.kiln_cpu.linear(rounded, packed, n, bias), full)
+    else:
+        with pytest.raises(RuntimeError, match="bfloat16 x needs K a multiple of 32"):
+            torch.ops.kiln_cpu.linear(x.bfloat16(), packed, n, bias)
 
 
 def _attend(

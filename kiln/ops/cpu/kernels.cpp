@@ -173,20 +173,17 @@ struct Dot {
   }
 };
 
-// x [M, K] float32 -> [rows, K2] pairs of bfloat16 (round to nearest even), zero past K and past row M.
-at::Tensor to_pairs(const at::Tensor& x, int64_t K2, int64_t rows) {
+// x [M, K] float32 -> [M, K2] pairs of bfloat16 (round to nearest even), zero past K.
+at::Tensor to_pairs(const at::Tensor& x, int64_t K2) {
   const int64_t M = x.size(0), K = x.size(1), ldx = x.stride(0);
-  at::Tensor out = at::empty({rows, K2}, x.options().dtype(at::kInt));
+  at::Tensor out = at::empty({M, K2}, x.options().dtype(at::kInt));
   const float* src = x.data_ptr<float>();
   uint32_t* dst = reinterpret_cast<uint32_t*>(out.data_ptr<int32_t>());
-  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
     for (int64_t m = begin; m < end; ++m) {
       const float* row = src + m * ldx;
-      const int64_t k_end = m < M ? K : 0;
       for (int64_t k = 0; k < 2 * K2; k += 32) {
-        auto mask = [&](int64_t at) {
-          return __mmask16(at >= k_end ? 0 : at + 16 <= k_end ? 0xFFFF : (1u << (k_end - at)) - 1);
-        };
+        auto mask = [&](int64_t at) { return __mmask16(at >= K ? 0 : at + 16 <= K ? 0xFFFF : (1u << (K - at)) - 1); };
         const __m512 lo = _mm512_maskz_loadu_ps(mask(k), row + k), hi = _mm512_maskz_loadu_ps(mask(k + 16), row + k + 16);
         const __m512i pairs = (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
         const int64_t left = std::min<int64_t>(16, K2 - k / 2);
@@ -202,10 +199,10 @@ constexpr bool kBf16Dot = false;
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
 // AMX: the pair packing is the tile multiply's own B layout. A block's 16 pairs of k for its 16 columns are
-// one 16 x 64-byte tile, and 16 rows' 16 pairs of x one A tile; one TDPBF16PS adds their products into a
-// 16 x 16 float32 tile. Every call runs every row through the same tile chain over k in order, whatever M
-// (fewer than 16 rows configure shorter tiles; more are padded to whole tiles with zero rows), so a row's
-// bits never depend on the rows beside it. Linux grants a process the tile state on request.
+// one 16 x 64-byte tile, and up to 16 rows' 16 pairs of x one A tile; one TDPBF16PS adds their products
+// into a float32 tile of as many rows by 16 columns. Every call runs every row through the same tile chain
+// over k in order, whatever M (a pass's last tile is configured with the rows left), so a row's bits
+// never depend on the rows beside it. Linux grants a process the tile state on request.
 bool amx() {
   static const bool granted = [] {
     constexpr long kReqXcompPerm = 0x1023, kXtileData = 18;
@@ -220,13 +217,14 @@ struct alignas(64) TileConfig {
   uint8_t rows[16] = {};
 };
 
-// tmm0-1: A (x rows), tmm2-3: B (weight blocks), tmm4-7: C. Every tile is 64 bytes wide; A and C have
-// `rows` rows, B 16 (pairs of k).
-inline void configure_tiles(int rows) {
+// tmm0-1: A (x rows), tmm2-3: B (weight blocks), tmm4-7: C. Every tile is 64 bytes wide and B has 16 rows
+// (pairs of k). One row tile (second = 0): tmm0 and tmm4-7 have `first` rows. Two: tmm0, tmm4 and tmm5
+// have `first`, tmm1, tmm6 and tmm7 `second`.
+inline void configure_tiles(int first, int second) {
   TileConfig c;
   for (int t = 0; t < 8; ++t) {
     c.colsb[t] = 64;
-    c.rows[t] = t == 2 || t == 3 ? 16 : rows;
+    c.rows[t] = t == 2 || t == 3 ? 16 : second > 0 && (t == 1 || t >= 6) ? second : first;
   }
   _tile_loadconfig(&c);
 }
@@ -267,14 +265,14 @@ inline void amx_two_row_tiles(const uint32_t* x, int64_t ldx, const c10::BFloat1
   _tile_stored(6, out + 16 * 64, 256); _tile_stored(7, out + 16 * 64 + 16, 256);
 }
 
-// x: [rows, K2] pairs, rows = M below 16, else M rounded up to whole tiles (zero past M).
-void linear_amx(const uint32_t* x, int64_t K2, const c10::BFloat16* w, int64_t NB, const float* bias, float* y,
-                int64_t M, int64_t N) {
+// x: [M, K2] pairs, rows ldx apart.
+void linear_amx(const uint32_t* x, int64_t ldx, int64_t K2, const c10::BFloat16* w, int64_t NB, const float* bias,
+                float* y, int64_t M, int64_t N) {
   const int64_t block_bytes = K2 * 2 * kBlock * 2;
   // Blocks per chunk: a chunk (about 256 KiB) stays in L2 while every row tile passes over it.
   const int64_t chunk = std::max<int64_t>(4, (256 << 10) / block_bytes / 4 * 4);
   at::parallel_for(0, NB, 1, [&](int64_t begin, int64_t end) {
-    configure_tiles(static_cast<int>(std::min<int64_t>(M, 16)));
+    int config = -1;  // the configured pass's rows
     alignas(64) float out[32][64];
     auto emit_rows = [&](int64_t m0, int64_t rows, int64_t b, int64_t nb) {
       compiler_fence();
@@ -291,17 +289,21 @@ void linear_amx(const uint32_t* x, int64_t K2, const c10::BFloat16* w, int64_t N
       const int64_t c1 = std::min(end, c0 + chunk);
       for (int64_t m0 = 0; m0 < M; m0 += 32) {
         const int64_t rows = std::min<int64_t>(32, M - m0);
-        const uint32_t* xm = x + m0 * K2;
+        const uint32_t* xm = x + m0 * ldx;
+        if (rows != config) {
+          configure_tiles(static_cast<int>(std::min<int64_t>(rows, 16)), static_cast<int>(std::max<int64_t>(rows - 16, 0)));
+          config = static_cast<int>(rows);
+        }
         if (rows > 16) {
           for (int64_t b = c0; b < c1; b += 2) {
             const int nb = static_cast<int>(std::min<int64_t>(2, c1 - b));
-            amx_two_row_tiles(xm, K2, w + b * K2 * 2 * kBlock, K2, nb, &out[0][0]);
+            amx_two_row_tiles(xm, ldx, w + b * K2 * 2 * kBlock, K2, nb, &out[0][0]);
             emit_rows(m0, rows, b, nb);
           }
         } else {
           for (int64_t b = c0; b < c1; b += 4) {
             const int nb = static_cast<int>(std::min<int64_t>(4, c1 - b));
-            amx_row_tile(xm, K2, w + b * K2 * 2 * kBlock, K2, nb, &out[0][0]);
+            amx_row_tile(xm, ldx, w + b * K2 * 2 * kBlock, K2, nb, &out[0][0]);
             emit_rows(m0, rows, b, nb);
           }
         }
@@ -369,16 +371,21 @@ void linear_impl(const typename P::X* x, int64_t ldx, const typename P::Weight* 
   });
 }
 
+// x [M, K] float32 with any w; or, with pair-packed w and K a multiple of 32, bfloat16 (its rows are their
+// own pairs: a producer that rounds them saves this call rounding a float32 copy).
 at::Tensor linear(const at::Tensor& x_in, const at::Tensor& w, int64_t n, const c10::optional<at::Tensor>& bias) {
-  TORCH_CHECK(x_in.scalar_type() == at::kFloat && x_in.dim() == 2, "kiln_cpu::linear: x must be 2-D float32");
   const bool dot = w.dim() == 4;
+  TORCH_CHECK(x_in.dim() == 2 && (x_in.scalar_type() == at::kFloat || (dot && x_in.scalar_type() == at::kBFloat16)),
+              "kiln_cpu::linear: x must be 2-D float32, or bfloat16 with pair-packed weights");
   const int64_t K = x_in.size(1);
   const bool packed = dot ? w.size(1) == (K + 31) / 32 * 16 && w.size(2) == kBlock && w.size(3) == 2
                           : w.dim() == 3 && w.size(1) == K && w.size(2) == kBlock;
   TORCH_CHECK(packed && w.is_contiguous(),
               "kiln_cpu::linear: w must be packed [blocks, K, 16], or [blocks, ceil(K / 32) * 16, 16, 2] in bfloat16");
   TORCH_CHECK(n > (w.size(0) - 1) * kBlock && n <= w.size(0) * kBlock, "kiln_cpu::linear: n does not fit w");
-  at::Tensor x = x_in.stride(1) == 1 ? x_in : x_in.contiguous();
+  const bool rounded = x_in.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(!rounded || K % 32 == 0, "kiln_cpu::linear: bfloat16 x needs K a multiple of 32");
+  at::Tensor x = x_in.stride(1) == 1 && (!rounded || x_in.stride(0) % 2 == 0) ? x_in : x_in.contiguous();
   const float* b = nullptr;
   if (bias.has_value()) {
     TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == n,
@@ -386,30 +393,29 @@ at::Tensor linear(const at::Tensor& x_in, const at::Tensor& w, int64_t n, const 
     b = bias->data_ptr<float>();
   }
   const int64_t M = x.size(0), NB = w.size(0);
-  at::Tensor y = at::empty({M, n}, x.options());
+  at::Tensor y = at::empty({M, n}, x.options().dtype(at::kFloat));
   if (M == 0) return y;
-  const float* xp = x.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   if (dot) {
     TORCH_CHECK(w.scalar_type() == at::kBFloat16, "kiln_cpu::linear: pair-packed weights must be bfloat16");
 #if defined(__AVX512BF16__) && defined(__AVX512VL__)
     const int64_t K2 = w.size(1);
+    const at::Tensor pairs = rounded ? x : to_pairs(x, K2);
+    const int64_t ldp = rounded ? x.stride(0) / 2 : K2;
+    const uint32_t* xp = reinterpret_cast<const uint32_t*>(pairs.data_ptr());
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
     if (amx()) {
-      const at::Tensor pairs = to_pairs(x, K2, M < 16 ? M : (M + 15) / 16 * 16);
-      linear_amx(reinterpret_cast<const uint32_t*>(pairs.data_ptr<int32_t>()), K2, w.data_ptr<c10::BFloat16>(), NB,
-                 b, yp, M, n);
+      linear_amx(xp, ldp, K2, w.data_ptr<c10::BFloat16>(), NB, b, yp, M, n);
       return y;
     }
 #endif
-    const at::Tensor pairs = to_pairs(x, K2, M);
-    linear_impl<Dot>(reinterpret_cast<const uint32_t*>(pairs.data_ptr<int32_t>()), K2,
-                     w.data_ptr<c10::BFloat16>(), K2, NB, b, yp, M, n);
+    linear_impl<Dot>(xp, ldp, w.data_ptr<c10::BFloat16>(), K2, NB, b, yp, M, n);
 #else
     TORCH_CHECK(false, "kiln_cpu::linear: pair-packed weights need a CPU with AVX512-BF16");
 #endif
     return y;
   }
+  const float* xp = x.data_ptr<float>();
   switch (w.scalar_type()) {
     case at::kHalf: linear_impl<Widen<c10::Half>>(xp, x.stride(0), w.data_ptr<c10::Half>(), K, NB, b, yp, M, n); break;
     case at::kBFloat16: linear_impl<Widen<c10::BFloat16>>(xp, x.stride(0), w.data_ptr<c10::BFloat16>(), K, NB, b, yp, M, n); break;

@@ -79,7 +79,7 @@ def load() -> None:
 def _register_fakes() -> None:
     @torch.library.register_fake("kiln_cpu::linear")
     def _(x: torch.Tensor, w: torch.Tensor, n: int, bias: torch.Tensor | None) -> torch.Tensor:
-        return x.new_empty(x.shape[0], n)
+        return x.new_empty(x.shape[0], n, dtype=torch.float32)
 
     @torch.library.register_fake("kiln_cpu::paged_attention")
     def _(q, kv_cache, query_start_loc, seq_lens, block_table, scale, sliding_window, pairs):
