@@ -476,6 +476,24 @@ inline __m512 exp16(__m512 x) {
 }
 #endif
 
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+// 2^x for sixteen lanes, x <= 0: x = n + f with n whole and |f| <= 1/2, 2^f by its degree-6 Taylor
+// polynomial (relative error about 1e-7), times 2^n by scalef. Below -150 the result is 0 (2^-inf = 0).
+inline __m512 exp2_16(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-150.0f));
+  const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(x, n);
+  __m512 p = _mm512_set1_ps(1.5403530393381606e-4f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558146428443e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291076284770e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504108664821580e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022650695910071e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718055994531e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, n);
+}
+#endif
+
 inline float hsum(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -830,7 +848,9 @@ void attend(const Layout& L, const float* q, const KV* kv, float* out, int64_t b
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
 // attend on AMX tiles, for the pair layout with block_size a multiple of 16 and D a multiple of 32. The
-// online softmax steps over spans of 64 positions at fixed offsets (0, 64, ...): per span, the pass's R rows
+// queries carry the scale and log2(e), so the scores come out in base 2 and the softmax takes 2^x (two
+// fewer multiplies and a shorter exponential per score). The online softmax steps over spans of 64
+// positions at fixed offsets (0, 64, ...): per span, the pass's R rows
 // (1-16) get the scores of each 16-key piece as one tile (Q by K^T, 32 d per tile multiply), the softmax
 // runs on them in vectors, and the values come from tile multiplies of e in bfloat16 pairs by V, summed
 // over the span's pieces in each 16-d output tile, then added to the rows' rescaled accumulators. A tile
@@ -858,9 +878,11 @@ void attend_amx(const Layout& L, const float* q, const c10::BFloat16* kv, float*
   float* acc = work;                                         // [R, D]
   uint32_t* qp = reinterpret_cast<uint32_t*>(work + 16 * D);  // the rows' queries as bfloat16 pairs [R, D/2]
   uint32_t* vz = qp + 16 * D2;                                // [P][8][D]: V copies with keys zeroed
+  const float scale = L.scale * 1.44269504088896341f;
   int64_t pos[16], lo[16];
   float m[16];
   alignas(64) float l[16][kPiece] = {}, s[P][16][kPiece], o[4][16][16], shift[16] = {}, alpha[16];
+  alignas(64) float sums[16][kPiece];
   alignas(64) uint32_t ep[16][kSpan / 2];
   for (int r = 0; r < R; ++r) {
     pos[r] = offset(L, b) + rows[r].t;
@@ -868,7 +890,7 @@ void attend_amx(const Layout& L, const float* q, const c10::BFloat16* kv, float*
     m[r] = -inf;
     const float* qr = q + (rows[r].t * H + rows[r].h) * D;
     for (int64_t d2 = 0; d2 < D2; ++d2)
-      qp[r * D2 + d2] = uint32_t(c10::BFloat16(qr[2 * d2]).x) | uint32_t(c10::BFloat16(qr[2 * d2 + 1]).x) << 16;
+      qp[r * D2 + d2] = uint32_t(c10::BFloat16(qr[2 * d2] * scale).x) | uint32_t(c10::BFloat16(qr[2 * d2 + 1] * scale).x) << 16;
   }
   std::fill(acc, acc + R * D, 0.0f);
   const int64_t lo_min = *std::min_element(lo, lo + R), pos_max = *std::max_element(pos, pos + R);
@@ -878,7 +900,6 @@ void attend_amx(const Layout& L, const float* q, const c10::BFloat16* kv, float*
   if (fetch)
     for (int64_t blk = lo_min / bs; blk < std::min(lo_min / bs + kAhead, last + 1); ++blk)
       prefetch_block(keys_of(blk), values_of(blk), bs * D);
-  const __m512 scale = _mm512_set1_ps(L.scale);
   for (int64_t base = lo_min / kSpan * kSpan; base <= pos_max; base += kSpan) {
     auto below = [](int64_t n) { return n >= 64 ? ~0ull : (1ull << n) - 1; };  // bits [0, n)
     uint64_t own[16], any = 0;  // each row's positions in the span, and their union
@@ -913,31 +934,30 @@ void attend_amx(const Layout& L, const float* q, const c10::BFloat16* kv, float*
     KILN_SCORE(2, 0) KILN_SCORE(3, 1) KILN_SCORE(4, 2) KILN_SCORE(5, 3)
 #undef KILN_SCORE
     compiler_fence();
-    // The online softmax step: every row's max over the span, the rescales (lanes are rows), then e.
-    auto scores = [&](int r, int j) {
-      const __mmask16 k = __mmask16(own[r] >> (kPiece * j));
-      return _mm512_mask_blend_ps(k, _mm512_set1_ps(-inf), _mm512_mul_ps(_mm512_load_ps(s[j][r]), scale));
-    };
+    // The online softmax step: each row's max over the span and its e = 2^(x - max), then the rescales
+    // 2^(max_old - max) in one vector (lanes are rows) for the sums.
     for (int r = 0; r < R; ++r) {
-      __m512 x = _mm512_set1_ps(-inf);
-      for (int j = 0; j < P; ++j)
-        if (used[j]) x = _mm512_max_ps(x, scores(r, j));
-      const float m_new = std::max(m[r], _mm512_reduce_max_ps(x));
+      __m512 x[P];
+      __m512 top = _mm512_set1_ps(-inf);
+      for (int j = 0; j < P; ++j) {
+        x[j] = _mm512_mask_blend_ps(__mmask16(own[r] >> (kPiece * j)), _mm512_set1_ps(-inf), _mm512_load_ps(s[j][r]));
+        top = _mm512_max_ps(top, x[j]);
+      }
+      const float m_new = std::max(m[r], _mm512_reduce_max_ps(top));
       shift[r] = own[r] ? m[r] - m_new : 0.0f;
       m[r] = m_new;
-    }
-    _mm512_store_ps(alpha, exp16(_mm512_load_ps(shift)));
-    for (int r = 0; r < R; ++r) {
-      __m512 sum = _mm512_mul_ps(_mm512_load_ps(l[r]), _mm512_set1_ps(alpha[r]));
+      __m512 sum = _mm512_setzero_ps();
       for (int j = 0; j < P; ++j) {
         if (!used[j]) continue;
-        const __mmask16 k = __mmask16(own[r] >> (kPiece * j));
-        const __m512 e = _mm512_maskz_mov_ps(k, exp16(_mm512_sub_ps(scores(r, j), _mm512_set1_ps(m[r]))));
+        const __m512 e = _mm512_maskz_mov_ps(__mmask16(own[r] >> (kPiece * j)), exp2_16(_mm512_sub_ps(x[j], _mm512_set1_ps(m_new))));
         sum = _mm512_add_ps(sum, e);
         _mm256_store_si256(reinterpret_cast<__m256i*>(ep[r] + 8 * j), (__m256i)_mm512_cvtneps_pbh(e));
       }
-      _mm512_store_ps(l[r], sum);
+      _mm512_store_ps(sums[r], sum);
     }
+    _mm512_store_ps(alpha, exp2_16(_mm512_load_ps(shift)));
+    for (int r = 0; r < R; ++r)
+      _mm512_store_ps(l[r], _mm512_fmadd_ps(_mm512_load_ps(l[r]), _mm512_set1_ps(alpha[r]), _mm512_load_ps(sums[r])));
     for (int j = 0; j < P; ++j) {
       if (!used[j] || used[j] == 0xFFFF) continue;  // keys outside every row's span: zeroed in a copy
       uint32_t* copy = vz + j * 8 * D;
@@ -1041,6 +1061,10 @@ at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& kv_cache, c
       for (int64_t i = 0; i < items; ++i) {
         const auto [b, t0, n_rows] = groups[i / (KVH * split)];
         const int64_t kvh = (i / split) % KVH, g0 = (i % split) * per, g1 = g0 + per;
+        // A request of one group (a decode) reads its blocks once, so its first pass prefetches them. A
+        // longer chunk's groups share its blocks, which stay in L2 from one group to the next: there the
+        // prefetches were a third of the kernel's time.
+        const bool alone = L.qsl[b + 1] - L.qsl[b] <= span;
         // The item's rows, position by position, attended kPassRows at a time.
         int64_t count = 0;
         for (int64_t r = 0; r < n_rows; ++r)
@@ -1050,11 +1074,11 @@ at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& kv_cache, c
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
           if constexpr (std::is_same_v<KV, c10::BFloat16> && decltype(in_pairs)::value)
             if (tiles) {
-              attend_amx(L, qp, kv, op, b, rows.data() + r0, int(pass), kvh, H, r0 == 0, work.data());
+              attend_amx(L, qp, kv, op, b, rows.data() + r0, int(pass), kvh, H, alone && r0 == 0, work.data());
               continue;
             }
 #endif
-          passes[pass - 1](L, qp, kv, op, b, rows.data() + r0, kvh, H, r0 == 0, work.data());
+          passes[pass - 1](L, qp, kv, op, b, rows.data() + r0, kvh, H, alone && r0 == 0, work.data());
         }
       }
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
