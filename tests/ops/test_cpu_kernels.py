@@ -55,6 +55,13 @@ def test_bf16_pairs_are_bfloat16_products_and_batch_invariant(n: int, k: int) ->
     strided = torch.randn(64, k + 3)[:, :k]
     strided.copy_(x)
     assert torch.equal(mm.linear(strided, packed, bias, n), full)
+    many = torch.randn(600, k)  # past one block of rows: the AMX kernel takes x in blocks of up to 512 KiB
+    whole = mm.linear(many, packed, bias, n)
+    bare = mm.linear(many, packed, None, n)  # without a bias, whole tiles store straight into y
+    assert torch.equal(bare + bias, whole)
+    for at, rows in ((0, 1), (0, 40), (150, 33), (440, 40), (583, 17)):
+        assert torch.equal(mm.linear(many[at : at + rows], packed, bias, n), whole[at : at + rows])
+        assert torch.equal(mm.linear(many[at : at + rows], packed, None, n), bare[at : at + rows])
     if k % 32 == 0:
         for pad in (32, 3):  # rows an even or odd number of bfloat16 apart: read in place, or copied
             rounded = torch.randn(64, k + pad).bfloat16()[:, :k]

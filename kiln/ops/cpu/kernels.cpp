@@ -232,8 +232,9 @@ inline void configure_tiles(int first, int second) {
 // The tile intrinsics are asm without memory operands: fence the compiler around them.
 inline void compiler_fence() { asm volatile("" ::: "memory"); }
 
-// One row tile by nb (1-4) blocks: C tiles tmm4.. over all K2 pairs, stored to out [16][64] floats.
-inline void amx_row_tile(const uint32_t* x, int64_t ldx, const c10::BFloat16* w, int64_t K2, int nb, float* out) {
+// One row tile by nb (1-4) blocks: C tiles tmm4.. over all K2 pairs, stored to out (rows ldo floats apart).
+inline void amx_row_tile(const uint32_t* x, int64_t ldx, const c10::BFloat16* w, int64_t K2, int nb, float* out,
+                         int64_t ldo) {
   const int64_t sx = ldx * 4, block = K2 * 2 * kBlock;
   _tile_zero(4); _tile_zero(5); _tile_zero(6); _tile_zero(7);
   for (int64_t s = 0; s < K2; s += 16) {
@@ -245,11 +246,16 @@ inline void amx_row_tile(const uint32_t* x, int64_t ldx, const c10::BFloat16* w,
     if (nb > 2) { _tile_loadd(2, ws + 2 * block, 64); _tile_dpbf16ps(6, 0, 2); }
     if (nb > 3) { _tile_loadd(3, ws + 3 * block, 64); _tile_dpbf16ps(7, 0, 3); }
   }
-  _tile_stored(4, out, 256); _tile_stored(5, out + 16, 256); _tile_stored(6, out + 32, 256); _tile_stored(7, out + 48, 256);
+  const int64_t so = ldo * 4;
+  _tile_stored(4, out, so);
+  if (nb > 1) _tile_stored(5, out + 16, so);
+  if (nb > 2) _tile_stored(6, out + 32, so);
+  if (nb > 3) _tile_stored(7, out + 48, so);
 }
 
-// Two row tiles (32 rows) by nb (1-2) blocks, stored to out [32][64] floats.
-inline void amx_two_row_tiles(const uint32_t* x, int64_t ldx, const c10::BFloat16* w, int64_t K2, int nb, float* out) {
+// Two row tiles (up to 32 rows) by nb (1-2) blocks, stored to out (rows ldo floats apart).
+inline void amx_two_row_tiles(const uint32_t* x, int64_t ldx, const c10::BFloat16* w, int64_t K2, int nb, float* out,
+                              int64_t ldo) {
   const int64_t sx = ldx * 4, block = K2 * 2 * kBlock;
   _tile_zero(4); _tile_zero(5); _tile_zero(6); _tile_zero(7);
   for (int64_t s = 0; s < K2; s += 16) {
@@ -261,22 +267,30 @@ inline void amx_two_row_tiles(const uint32_t* x, int64_t ldx, const c10::BFloat1
     _tile_dpbf16ps(6, 1, 2);
     if (nb > 1) { _tile_loadd(3, ws + block, 64); _tile_dpbf16ps(5, 0, 3); _tile_dpbf16ps(7, 1, 3); }
   }
-  _tile_stored(4, out, 256); _tile_stored(5, out + 16, 256);
-  _tile_stored(6, out + 16 * 64, 256); _tile_stored(7, out + 16 * 64 + 16, 256);
+  const int64_t so = ldo * 4;
+  _tile_stored(4, out, so); _tile_stored(6, out + 16 * ldo, so);
+  if (nb > 1) { _tile_stored(5, out + 16, so); _tile_stored(7, out + 16 * ldo + 16, so); }
 }
 
 // x: [M, K2] pairs, rows ldx apart.
 void linear_amx(const uint32_t* x, int64_t ldx, int64_t K2, const c10::BFloat16* w, int64_t NB, const float* bias,
                 float* y, int64_t M, int64_t N) {
   const int64_t block_bytes = K2 * 2 * kBlock * 2;
-  // Blocks per chunk: a chunk (about 256 KiB) stays in L2 while every row tile passes over it.
+  // Blocks per chunk: a chunk (about 256 KiB) stays in L2 while every row tile of a row block passes over
+  // it; a row block of x (about 512 KiB) stays there while every chunk passes over it.
   const int64_t chunk = std::max<int64_t>(4, (256 << 10) / block_bytes / 4 * 4);
+  const int64_t row_block = std::max<int64_t>(32, (512 << 10) / (K2 * 4) / 32 * 32);
   at::parallel_for(0, NB, 1, [&](int64_t begin, int64_t end) {
     int config = -1;  // the configured pass's rows
     alignas(64) float out[32][64];
-    auto emit_rows = [&](int64_t m0, int64_t rows, int64_t b, int64_t nb) {
-      compiler_fence();
+    // Tiles store straight into y, unless a bias is added or the blocks run past N: then through out.
+    auto multiply = [&](auto tiles, int64_t m0, int64_t rows, int64_t b, int nb) {
       const int64_t n0 = b * kBlock, width = std::min<int64_t>(nb * kBlock, N - n0);
+      const uint32_t* xm = x + m0 * ldx;
+      const c10::BFloat16* wb = w + b * K2 * 2 * kBlock;
+      if (!bias && width == nb * kBlock) return tiles(xm, ldx, wb, K2, nb, y + m0 * N + n0, N);
+      tiles(xm, ldx, wb, K2, nb, &out[0][0], 64);
+      compiler_fence();
       for (int64_t m = 0; m < rows; ++m) {
         float* dst = y + (m0 + m) * N + n0;
         if (bias)
@@ -285,27 +299,20 @@ void linear_amx(const uint32_t* x, int64_t ldx, int64_t K2, const c10::BFloat16*
           for (int64_t i = 0; i < width; ++i) dst[i] = out[m][i];
       }
     };
-    for (int64_t c0 = begin; c0 < end; c0 += chunk) {
-      const int64_t c1 = std::min(end, c0 + chunk);
-      for (int64_t m0 = 0; m0 < M; m0 += 32) {
-        const int64_t rows = std::min<int64_t>(32, M - m0);
-        const uint32_t* xm = x + m0 * ldx;
-        if (rows != config) {
-          configure_tiles(static_cast<int>(std::min<int64_t>(rows, 16)), static_cast<int>(std::max<int64_t>(rows - 16, 0)));
-          config = static_cast<int>(rows);
-        }
-        if (rows > 16) {
-          for (int64_t b = c0; b < c1; b += 2) {
-            const int nb = static_cast<int>(std::min<int64_t>(2, c1 - b));
-            amx_two_row_tiles(xm, ldx, w + b * K2 * 2 * kBlock, K2, nb, &out[0][0]);
-            emit_rows(m0, rows, b, nb);
+    for (int64_t r0 = 0; r0 < M; r0 += row_block) {
+      const int64_t r1 = std::min(M, r0 + row_block);
+      for (int64_t c0 = begin; c0 < end; c0 += chunk) {
+        const int64_t c1 = std::min(end, c0 + chunk);
+        for (int64_t m0 = r0; m0 < r1; m0 += 32) {
+          const int64_t rows = std::min<int64_t>(32, r1 - m0);
+          if (rows != config) {
+            configure_tiles(static_cast<int>(std::min<int64_t>(rows, 16)), static_cast<int>(std::max<int64_t>(rows - 16, 0)));
+            config = static_cast<int>(rows);
           }
-        } else {
-          for (int64_t b = c0; b < c1; b += 4) {
-            const int nb = static_cast<int>(std::min<int64_t>(4, c1 - b));
-            amx_row_tile(xm, ldx, w + b * K2 * 2 * kBlock, K2, nb, &out[0][0]);
-            emit_rows(m0, rows, b, nb);
-          }
+          if (rows > 16)
+            for (int64_t b = c0; b < c1; b += 2) multiply(amx_two_row_tiles, m0, rows, b, int(std::min<int64_t>(2, c1 - b)));
+          else
+            for (int64_t b = c0; b < c1; b += 4) multiply(amx_row_tile, m0, rows, b, int(std::min<int64_t>(4, c1 - b)));
         }
       }
     }
