@@ -1008,6 +1008,56 @@ void attend_amx(const Layout& L, const float* q, const c10::BFloat16* kv, float*
 bool amx_attention(int64_t, int64_t) { return false; }
 #endif
 
+// k, v [T, KVH, D] float32 (rows may be strided) into the cache's slots (slot_mapping [T] int64; -1 is
+// padding, not written), in the layout above, rounded to the cache's dtype. Slots are distinct, so tokens
+// are written in parallel.
+template <typename KV>
+void write_slots(const at::Tensor& k, const at::Tensor& v, KV* cache, const int64_t* slots, int64_t bs, bool pairs) {
+  const int64_t T = k.size(0), KVH = k.size(1), D = k.size(2), half = bs * KVH * D;
+  const float* kp = k.data_ptr<float>();
+  const float* vp = v.data_ptr<float>();
+  at::parallel_for(0, T, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      if (slots[t] < 0) continue;
+      const int64_t at = slots[t] % bs;
+      KV* kb = cache + slots[t] / bs * 2 * half;
+      KV* vb = kb + half;
+      for (int64_t h = 0; h < KVH; ++h) {
+        const float* kr = kp + t * k.stride(0) + h * k.stride(1);
+        const float* vr = vp + t * v.stride(0) + h * v.stride(1);
+        KV* kh = kb + h * D * bs;
+        KV* vh = vb + h * bs * D;
+        if (pairs) {  // K[h, d / 2, at, d % 2], V[h, at / 2, d, at % 2]
+          for (int64_t d = 0; d < D; ++d) kh[(d / 2) * 2 * bs + at * 2 + d % 2] = KV(kr[d]);
+          for (int64_t d = 0; d < D; ++d) vh[(at / 2) * 2 * D + d * 2 + at % 2] = KV(vr[d]);
+        } else {  // K^T[h, d, at], V[h, at, d]
+          for (int64_t d = 0; d < D; ++d) kh[d * bs + at] = KV(kr[d]);
+          for (int64_t d = 0; d < D; ++d) vh[at * D + d] = KV(vr[d]);
+        }
+      }
+    }
+  });
+}
+
+void write_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor& kv_cache, const at::Tensor& slot_mapping, bool pairs) {
+  TORCH_CHECK(k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat && k.dim() == 3 && k.sizes() == v.sizes() &&
+                  k.stride(2) == 1 && v.stride(2) == 1,
+              "kiln_cpu::write_kv: k and v must be [T, KVH, D] float32 with contiguous rows");
+  TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(1) == 2 && kv_cache.is_contiguous() && kv_cache.size(3) == k.size(1) &&
+                  kv_cache.size(4) == k.size(2),
+              "kiln_cpu::write_kv: kv_cache must be [blocks, 2, block_size, KVH, D] for k's heads");
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous() && slot_mapping.numel() == k.size(0),
+              "kiln_cpu::write_kv: slot_mapping must be int64 [T]");
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  const int64_t bs = kv_cache.size(2);
+  switch (kv_cache.scalar_type()) {
+    case at::kHalf: write_slots(k, v, kv_cache.data_ptr<c10::Half>(), slots, bs, false); break;
+    case at::kBFloat16: write_slots(k, v, kv_cache.data_ptr<c10::BFloat16>(), slots, bs, pairs); break;
+    case at::kFloat: write_slots(k, v, kv_cache.data_ptr<float>(), slots, bs, false); break;
+    default: TORCH_CHECK(false, "kiln_cpu::write_kv: kv_cache must be float32, float16 or bfloat16");
+  }
+}
+
 template <typename KV, bool Pairs, size_t... I>
 constexpr auto attend_table(std::index_sequence<I...>) {
   return std::array{&attend<KV, int(I) + 1, Pairs>...};
@@ -1198,6 +1248,7 @@ TORCH_LIBRARY(kiln_cpu, m) {
   m.def("amx() -> bool", &amx);              // whether it multiplies them with AMX tiles
   m.def("paged_attention(Tensor q, Tensor kv_cache, Tensor query_start_loc, Tensor seq_lens, "
         "Tensor block_table, float scale, int sliding_window, bool pairs) -> Tensor");
+  m.def("write_kv(Tensor k, Tensor v, Tensor(a!) kv_cache, Tensor slot_mapping, bool pairs) -> ()");
   m.def("apply_bitmask(Tensor(a!) logits, Tensor bitmask, int[] rows) -> ()");
   m.def("argmax(Tensor x) -> Tensor");
 }
@@ -1205,6 +1256,7 @@ TORCH_LIBRARY(kiln_cpu, m) {
 TORCH_LIBRARY_IMPL(kiln_cpu, CPU, m) {
   m.impl("linear", &linear);
   m.impl("paged_attention", &paged_attention);
+  m.impl("write_kv", &write_kv);
   m.impl("apply_bitmask", &apply_bitmask);
   m.impl("argmax", &argmax);
 }

@@ -81,6 +81,10 @@ def _register_fakes() -> None:
     def _(x: torch.Tensor, w: torch.Tensor, n: int, bias: torch.Tensor | None) -> torch.Tensor:
         return x.new_empty(x.shape[0], n, dtype=torch.float32)
 
+    @torch.library.register_fake("kiln_cpu::write_kv")
+    def _(k, v, kv_cache, slot_mapping, pairs):
+        return None
+
     @torch.library.register_fake("kiln_cpu::paged_attention")
     def _(q, kv_cache, query_start_loc, seq_lens, block_table, scale, sliding_window, pairs):
         return torch.empty_like(q)
