@@ -101,7 +101,7 @@ class CpuMatmul:
         return torch.ops.kiln_cpu.linear(self._rounded(x, weight), weight, n, bias)
 
     def logits(self, hidden: torch.Tensor, head: torch.Tensor, n: int) -> torch.Tensor:
-        return torch.ops.kiln_cpu.linear(self._rounded(hidden.float(), head), head, n, None)
+        return self.linear(hidden.float(), head, None, n)
 
     @staticmethod
     def _rounded(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

@@ -857,14 +857,16 @@ void attend(const Layout& L, const float* q, const KV* kv, float* out, int64_t b
 // attend on AMX tiles, for the pair layout with block_size a multiple of 16 and D a multiple of 32. The
 // queries carry the scale and log2(e), so the scores come out in base 2 and the softmax takes 2^x (two
 // fewer multiplies and a shorter exponential per score). The online softmax steps over spans of 64
-// positions at fixed offsets (0, 64, ...): per span, the pass's R rows
-// (1-16) get the scores of each 16-key piece as one tile (Q by K^T, 32 d per tile multiply), the softmax
-// runs on them in vectors, and the values come from tile multiplies of e in bfloat16 pairs by V, summed
+// positions at fixed offsets (0, 64, ...): per span, the pass's R rows (1-16) get the scores of each
+// 16-key piece as one tile (Q by K^T, 32 d per tile multiply), the softmax runs on them in vectors, and the values come from tile multiplies of e in bfloat16 pairs by V, summed
 // over the span's pieces in each 16-d output tile, then added to the rows' rescaled accumulators. A tile
 // loads all of a piece's keys: keys outside every row's span are zeroed in a copy of V first (an unwritten
 // slot's bits need not be a number). Every pass runs this way, whatever R, so a row's result never depends
 // on the rows beside it.
 constexpr int64_t kSpan = 64;  // positions per online-softmax step on tiles: four pieces
+// attend_amx's work, in floats per unit of D: accumulators [16, D], queries as pairs [16, D/2], and the
+// span's V copies as pairs [4][8][D].
+constexpr int64_t kTileWork = 16 + 8 + kSpan / kPiece * 8;
 
 bool amx_attention(int64_t bs, int64_t D) { return amx() && bs % kPiece == 0 && D % 32 == 0; }
 
@@ -1006,6 +1008,7 @@ void attend_amx(const Layout& L, const float* q, const c10::BFloat16* kv, float*
 }
 #else
 bool amx_attention(int64_t, int64_t) { return false; }
+constexpr int64_t kTileWork = 0;
 #endif
 
 // k, v [T, KVH, D] float32 (rows may be strided) into the cache's slots (slot_mapping [T] int64; -1 is
@@ -1016,6 +1019,7 @@ void write_slots(const at::Tensor& k, const at::Tensor& v, KV* cache, const int6
   const int64_t T = k.size(0), KVH = k.size(1), D = k.size(2), half = bs * KVH * D;
   const float* kp = k.data_ptr<float>();
   const float* vp = v.data_ptr<float>();
+  const int64_t skt = k.stride(0), skh = k.stride(1), svt = v.stride(0), svh = v.stride(1);
   at::parallel_for(0, T, 64, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       if (slots[t] < 0) continue;
@@ -1023,8 +1027,8 @@ void write_slots(const at::Tensor& k, const at::Tensor& v, KV* cache, const int6
       KV* kb = cache + slots[t] / bs * 2 * half;
       KV* vb = kb + half;
       for (int64_t h = 0; h < KVH; ++h) {
-        const float* kr = kp + t * k.stride(0) + h * k.stride(1);
-        const float* vr = vp + t * v.stride(0) + h * v.stride(1);
+        const float* kr = kp + t * skt + h * skh;
+        const float* vr = vp + t * svt + h * svh;
         KV* kh = kb + h * D * bs;
         KV* vh = vb + h * bs * D;
         if (pairs) {  // K[h, d / 2, at, d % 2], V[h, at / 2, d, at % 2]
@@ -1112,7 +1116,7 @@ at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& kv_cache, c
     static constexpr auto passes = attend_table<KV, decltype(in_pairs)::value>(std::make_index_sequence<kPassRows>{});
 #pragma omp parallel num_threads(int(std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), items))))
     {
-      std::vector<float> work(56 * D);  // a pass's accumulators, then its queries (and, with tiles, V copies)
+      std::vector<float> work(std::max<int64_t>(2 * kPassRows, kTileWork) * D);  // a pass's scratch
       std::vector<Row> rows(span * L.group);
 #pragma omp for schedule(dynamic, 1)
       for (int64_t i = 0; i < items; ++i) {
@@ -1122,7 +1126,7 @@ at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& kv_cache, c
         // longer chunk's groups share its blocks, which stay in L2 from one group to the next: there the
         // prefetches were a third of the kernel's time.
         const bool alone = L.qsl[b + 1] - L.qsl[b] <= span;
-        // The item's rows, position by position, attended kPassRows at a time.
+        // The item's rows, position by position, attended pass_rows at a time.
         int64_t count = 0;
         for (int64_t r = 0; r < n_rows; ++r)
           for (int64_t g = g0; g < g1; ++g) rows[count++] = {t0 + r, kvh * L.group + g};
