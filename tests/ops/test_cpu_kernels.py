@@ -127,6 +127,33 @@ def test_attention_rows_do_not_depend_on_chunking_or_neighbours(
     assert torch.equal(_attend(q[9:10], cache, [0, 1], [lens[1]], [tables[1]], window), got[9:10])
 
 
+@pytest.mark.parametrize("block", [16, 64])
+def test_long_prefill_rows_do_not_depend_on_chunking(block: int) -> None:
+    """A 300-token bfloat16 prefill (spans its rows see whole, spans cut by the causal edge; value tiles of
+    16 keys, or 32 where blocks hold them) against the torch reference, then in other chunks and as
+    decodes: the same bits for every row. The slots past the context hold NaN."""
+    torch.manual_seed(1)
+    heads, kv_heads, dim, n = 9, 3, 64, 300
+    blocks = -(-n // block)
+    clean = torch.randn(blocks + 1, 2, block, kv_heads, dim).bfloat16()  # the last: the padding block
+    cache = clean.clone()
+    table = [torch.randperm(blocks).tolist()]
+    for p in range(n, blocks * block):
+        cache[table[0][p // block], :, p % block] = float("nan")
+    q = torch.randn(n, heads, dim)
+    got = _attend(q, cache, [0, n], [n], table, 0)
+    want = reference_attention(
+        q, torch.zeros(n, kv_heads, dim), torch.zeros(n, kv_heads, dim), clean.float(), torch.full((n,), -1),
+        torch.tensor([0, n], dtype=torch.int32), torch.tensor([n], dtype=torch.int32),
+        torch.tensor(table, dtype=torch.int32), dim**-0.5, 0,
+    )  # fmt: skip
+    torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
+    for split in (70, 129, 256):
+        assert torch.equal(_attend(q[split:], cache, [0, n - split], [n], table, 0), got[split:])
+    for row in (63, 64, 200, 299):
+        assert torch.equal(_attend(q[row : row + 1], cache, [0, 1], [row + 1], table, 0), got[row : row + 1])
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
 def test_cpu_cache_writes_are_the_kernels_layout(dtype: torch.dtype) -> None:
     """The CPU writer puts K/V where the usual writer would, in the kernel's layout; padding slots (-1)

@@ -486,8 +486,10 @@ inline __m512 exp16(__m512 x) {
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
 // 2^x for sixteen lanes, x <= 0: x = n + f with n whole and |f| <= 1/2, 2^f by its degree-6 Taylor
 // polynomial (relative error about 1e-7), times 2^n by scalef. Below -150 the result is 0 (2^-inf = 0).
+// Finite: x holds no -inf, and the clamp at -150 is skipped (it changes no finite result's bits).
+template <bool Finite = false>
 inline __m512 exp2_16(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-150.0f));
+  if constexpr (!Finite) x = _mm512_max_ps(x, _mm512_set1_ps(-150.0f));
   const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __m512 f = _mm512_sub_ps(x, n);
   __m512 p = _mm512_set1_ps(1.5403530393381606e-4f);
@@ -858,15 +860,17 @@ void attend(const Layout& L, const float* q, const KV* kv, float* out, int64_t b
 // queries carry the scale and log2(e), so the scores come out in base 2 and the softmax takes 2^x (two
 // fewer multiplies and a shorter exponential per score). The online softmax steps over spans of 64
 // positions at fixed offsets (0, 64, ...): per span, the pass's R rows (1-16) get the scores of each
-// 16-key piece as one tile (Q by K^T, 32 d per tile multiply), the softmax runs on them in vectors, and the values come from tile multiplies of e in bfloat16 pairs by V, summed
-// over the span's pieces in each 16-d output tile, then added to the rows' rescaled accumulators. A tile
-// loads all of a piece's keys: keys outside every row's span are zeroed in a copy of V first (an unwritten
-// slot's bits need not be a number). Every pass runs this way, whatever R, so a row's result never depends
-// on the rows beside it.
+// 16-key piece as one tile (Q by K^T, 32 d per tile multiply), the softmax runs on them in vectors, and
+// the values come from tile multiplies of e in bfloat16 pairs by V (16 or, with blocks of 32 keys or
+// more, 32 keys per tile multiply), summed over the span's keys in each 16-d output tile, then added to
+// the rows' rescaled accumulators. A span's values are multiplied after the next span's scores, so the
+// tiles work while the vectors do the softmax. A tile loads all of its keys: keys outside every row's span
+// are zeroed in a copy of V first (an unwritten slot's bits need not be a number). Every pass runs this
+// way, whatever R, so a row's result never depends on the rows beside it.
 constexpr int64_t kSpan = 64;  // positions per online-softmax step on tiles: four pieces
-// attend_amx's work, in floats per unit of D: accumulators [16, D], queries as pairs [16, D/2], and the
-// span's V copies as pairs [4][8][D].
-constexpr int64_t kTileWork = 16 + 8 + kSpan / kPiece * 8;
+// attend_amx's work, in floats per unit of D: accumulators [16, D], queries as pairs [16, D/2], two
+// spans' V copies as pairs [2][4][8][D], and a span's values [D/16][16][16].
+constexpr int64_t kTileWork = 16 + 8 + 2 * kSpan / kPiece * 8 + 16;
 
 bool amx_attention(int64_t bs, int64_t D) { return amx() && bs % kPiece == 0 && D % 32 == 0; }
 
@@ -876,30 +880,76 @@ void attend_amx(const Layout& L, const float* q, const c10::BFloat16* kv, float*
   const int32_t* table = L.table + b * L.table_width;
   constexpr float inf = std::numeric_limits<float>::infinity();
   constexpr int P = kSpan / kPiece;
+  // Blocks of 32 keys or more hold two pieces' V as one tile's 16 pairs of keys: the values then take
+  // half the tile multiplies, each twice as deep.
+  const bool deep = bs % (2 * kPiece) == 0;
+  const int Pv = deep ? P / 2 : P, keys = deep ? 2 * kPiece : kPiece;  // value tiles per span, their keys
   // tmm0 Q (R x 16 pairs of d), tmm1 K^T (16 pairs of d x 16 keys), tmm2-5 a piece's scores, then a 16-d
-  // output tile (R x 16 floats), tmm6 V (8 pairs of keys x 16 d), tmm7 e (R x 8 pairs of keys).
+  // output tile (R x 16 floats), tmm6 V (keys / 2 pairs of keys x 16 d), tmm7 e (R x keys / 2 pairs).
   {
     TileConfig c;
     for (int t = 0; t < 8; ++t) c.rows[t] = uint8_t(R), c.colsb[t] = 64;
-    c.rows[1] = 16, c.rows[6] = 8, c.colsb[7] = 32;
+    c.rows[1] = 16, c.rows[6] = uint8_t(keys / 2), c.colsb[7] = uint16_t(keys * 2);
     _tile_loadconfig(&c);
   }
   float* acc = work;                                         // [R, D]
   uint32_t* qp = reinterpret_cast<uint32_t*>(work + 16 * D);  // the rows' queries as bfloat16 pairs [R, D/2]
-  uint32_t* vz = qp + 16 * D2;                                // [P][8][D]: V copies with keys zeroed
+  uint32_t* vz = qp + 16 * D2;                                // [2][P][8][D]: V copies with keys zeroed
+  float* o = reinterpret_cast<float*>(vz + 2 * P * 8 * D);    // [D/16][16][16]: a span's e by V
   const float scale = L.scale * 1.44269504088896341f;
   int64_t pos[16], lo[16];
   float m[16];
-  alignas(64) float l[16][kPiece] = {}, s[P][16][kPiece], o[4][16][16], shift[16] = {}, alpha[16];
+  alignas(64) float l[16][kPiece] = {}, s[P][16][kPiece], shift[16] = {}, alpha[2][16];
   alignas(64) float sums[16][kPiece];
-  alignas(64) uint32_t ep[16][kSpan / 2];
+  alignas(64) uint32_t ep[2][16][kSpan / 2];
+  // A span's values wait for the next span's scores: the tile multiplies of one run while the vector
+  // softmax of the other does. Its pieces, their V (or copies), e and rescales:
+  struct Values {
+    uint32_t used[P];  // by value tile: its keys' bits
+    const uint32_t* v[P];
+    const uint32_t* e;
+    const float* alpha;
+  };
+  Values pending;
+  bool waiting = false;
+  int cur = 0;  // which of the double buffers (ep, alpha, vz) this span fills
+  // Output tiles of 16 d, four at a time: each sums the span's pieces, e by V, into o.
+  auto values = [&](const Values& w) {
+    compiler_fence();
+    for (int64_t d0 = 0; d0 < D; d0 += 64) {
+      const int n = int(std::min<int64_t>(4, (D - d0) / 16));
+      _tile_zero(2); _tile_zero(3); _tile_zero(4); _tile_zero(5);
+      for (int j = 0; j < Pv; ++j) {
+        if (!w.used[j]) continue;
+        _tile_loadd(7, w.e + keys / 2 * j, kSpan * 2);
+        _tile_loadd(6, w.v[j] + d0, D * 4); _tile_dpbf16ps(2, 7, 6);
+        if (n > 1) { _tile_loadd(6, w.v[j] + d0 + 16, D * 4); _tile_dpbf16ps(3, 7, 6); }
+        if (n > 2) { _tile_loadd(6, w.v[j] + d0 + 32, D * 4); _tile_dpbf16ps(4, 7, 6); }
+        if (n > 3) { _tile_loadd(6, w.v[j] + d0 + 48, D * 4); _tile_dpbf16ps(5, 7, 6); }
+      }
+      float* od = o + d0 * 16;
+      _tile_stored(2, od, 64);
+      if (n > 1) _tile_stored(3, od + 256, 64);
+      if (n > 2) _tile_stored(4, od + 512, 64);
+      if (n > 3) _tile_stored(5, od + 768, 64);
+    }
+    compiler_fence();
+  };
+  auto rescale = [&](const Values& w) {
+    for (int r = 0; r < R; ++r)
+      for (int64_t c = 0; c < D / 16; ++c) {
+        float* a = acc + r * D + 16 * c;
+        _mm512_storeu_ps(a, _mm512_fmadd_ps(_mm512_loadu_ps(a), _mm512_set1_ps(w.alpha[r]), _mm512_load_ps(o + c * 256 + r * 16)));
+      }
+  };
   for (int r = 0; r < R; ++r) {
     pos[r] = offset(L, b) + rows[r].t;
     lo[r] = L.window > 0 ? std::max<int64_t>(0, pos[r] - L.window + 1) : 0;
     m[r] = -inf;
     const float* qr = q + (rows[r].t * H + rows[r].h) * D;
-    for (int64_t d2 = 0; d2 < D2; ++d2)
-      qp[r * D2 + d2] = uint32_t(c10::BFloat16(qr[2 * d2] * scale).x) | uint32_t(c10::BFloat16(qr[2 * d2 + 1] * scale).x) << 16;
+    for (int64_t d = 0; d < D; d += 16)  // round to nearest even, as c10::BFloat16
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(qp + r * D2 + d / 2),
+                          (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(qr + d), _mm512_set1_ps(scale))));
   }
   std::fill(acc, acc + R * D, 0.0f);
   const int64_t lo_min = *std::min_element(lo, lo + R), pos_max = *std::max_element(pos, pos + R);
@@ -923,33 +973,39 @@ void attend_amx(const Layout& L, const float* q, const c10::BFloat16* kv, float*
     const uint32_t* v[P];
     for (int j = 0; j < P; ++j) {
       used[j] = __mmask16(any >> (kPiece * j));
-      if (!used[j]) continue;
+    }
+    for (int j = 0; j < P; ++j) {
+      if (!used[j] && !(deep && used[j ^ 1])) continue;  // a deep value tile reads its partner's V too
       const int64_t at = base + kPiece * j, blk = at / bs, c0 = at % bs;
       if (fetch && c0 == 0 && blk + kAhead <= last) prefetch_block(keys_of(blk + kAhead), values_of(blk + kAhead), bs * D);
       kt[j] = keys_of(blk) + 2 * c0;
       v[j] = reinterpret_cast<const uint32_t*>(values_of(blk) + c0 * D);
     }
     compiler_fence();
-#define KILN_SCORE(T, J)                                        \
-    if (used[J]) {                                              \
-      _tile_zero(T);                                            \
-      for (int64_t d0 = 0; d0 < D2; d0 += 16) {                 \
-        _tile_loadd(0, qp + d0, D2 * 4);                        \
-        _tile_loadd(1, kt[J] + d0 * bs * 2, bs * 4);            \
-        _tile_dpbf16ps(T, 0, 1);                                \
-      }                                                         \
-      _tile_stored(T, &s[J][0][0], 64);                         \
+    // Each piece's score tile sums its d slices in order; Q's slice is loaded once for all four pieces.
+    _tile_zero(2); _tile_zero(3); _tile_zero(4); _tile_zero(5);
+    for (int64_t d0 = 0; d0 < D2; d0 += 16) {
+      _tile_loadd(0, qp + d0, D2 * 4);
+      if (used[0]) { _tile_loadd(1, kt[0] + d0 * bs * 2, bs * 4); _tile_dpbf16ps(2, 0, 1); }
+      if (used[1]) { _tile_loadd(1, kt[1] + d0 * bs * 2, bs * 4); _tile_dpbf16ps(3, 0, 1); }
+      if (used[2]) { _tile_loadd(1, kt[2] + d0 * bs * 2, bs * 4); _tile_dpbf16ps(4, 0, 1); }
+      if (used[3]) { _tile_loadd(1, kt[3] + d0 * bs * 2, bs * 4); _tile_dpbf16ps(5, 0, 1); }
     }
-    KILN_SCORE(2, 0) KILN_SCORE(3, 1) KILN_SCORE(4, 2) KILN_SCORE(5, 3)
-#undef KILN_SCORE
+    if (used[0]) _tile_stored(2, &s[0][0][0], 64);
+    if (used[1]) _tile_stored(3, &s[1][0][0], 64);
+    if (used[2]) _tile_stored(4, &s[2][0][0], 64);
+    if (used[3]) _tile_stored(5, &s[3][0][0], 64);
+    if (waiting) values(pending);
     compiler_fence();
     // The online softmax step: each row's max over the span and its e = 2^(x - max), then the rescales
     // 2^(max_old - max) in one vector (lanes are rows) for the sums.
-    for (int r = 0; r < R; ++r) {
+    // A row that owns the whole span (most spans of a long context) has no lanes to mask and no -inf.
+    auto softmax_row = [&]<bool Whole>(int r) {
       __m512 x[P];
       __m512 top = _mm512_set1_ps(-inf);
       for (int j = 0; j < P; ++j) {
-        x[j] = _mm512_mask_blend_ps(__mmask16(own[r] >> (kPiece * j)), _mm512_set1_ps(-inf), _mm512_load_ps(s[j][r]));
+        x[j] = _mm512_load_ps(s[j][r]);
+        if constexpr (!Whole) x[j] = _mm512_mask_blend_ps(__mmask16(own[r] >> (kPiece * j)), _mm512_set1_ps(-inf), x[j]);
         top = _mm512_max_ps(top, x[j]);
       }
       const float m_new = std::max(m[r], _mm512_reduce_max_ps(top));
@@ -957,53 +1013,56 @@ void attend_amx(const Layout& L, const float* q, const c10::BFloat16* kv, float*
       m[r] = m_new;
       __m512 sum = _mm512_setzero_ps();
       for (int j = 0; j < P; ++j) {
-        if (!used[j]) continue;
-        const __m512 e = _mm512_maskz_mov_ps(__mmask16(own[r] >> (kPiece * j)), exp2_16(_mm512_sub_ps(x[j], _mm512_set1_ps(m_new))));
+        if (!Whole && !used[j]) {  // a deep value tile may still load this piece's e
+          _mm256_store_si256(reinterpret_cast<__m256i*>(ep[cur][r] + 8 * j), _mm256_setzero_si256());
+          continue;
+        }
+        __m512 e = exp2_16<Whole>(_mm512_sub_ps(x[j], _mm512_set1_ps(m_new)));
+        if constexpr (!Whole) e = _mm512_maskz_mov_ps(__mmask16(own[r] >> (kPiece * j)), e);
         sum = _mm512_add_ps(sum, e);
-        _mm256_store_si256(reinterpret_cast<__m256i*>(ep[r] + 8 * j), (__m256i)_mm512_cvtneps_pbh(e));
+        _mm256_store_si256(reinterpret_cast<__m256i*>(ep[cur][r] + 8 * j), (__m256i)_mm512_cvtneps_pbh(e));
       }
       _mm512_store_ps(sums[r], sum);
+    };
+    for (int r = 0; r < R; ++r) {
+      if (own[r] == ~0ull) softmax_row.template operator()<true>(r);
+      else softmax_row.template operator()<false>(r);
     }
-    _mm512_store_ps(alpha, exp2_16(_mm512_load_ps(shift)));
+    _mm512_store_ps(alpha[cur], exp2_16(_mm512_load_ps(shift)));
     for (int r = 0; r < R; ++r)
-      _mm512_store_ps(l[r], _mm512_fmadd_ps(_mm512_load_ps(l[r]), _mm512_set1_ps(alpha[r]), _mm512_load_ps(sums[r])));
-    for (int j = 0; j < P; ++j) {
-      if (!used[j] || used[j] == 0xFFFF) continue;  // keys outside every row's span: zeroed in a copy
-      uint32_t* copy = vz + j * 8 * D;
-      for (int64_t p = 0; p < kPiece / 2; ++p) {
-        const uint32_t keep = ((used[j] >> 2 * p) & 1 ? 0xFFFFu : 0u) | ((used[j] >> (2 * p + 1)) & 1 ? 0xFFFF0000u : 0u);
+      _mm512_store_ps(l[r], _mm512_fmadd_ps(_mm512_load_ps(l[r]), _mm512_set1_ps(alpha[cur][r]), _mm512_load_ps(sums[r])));
+    // Value tiles: keys outside every row's span are zeroed in a copy of V.
+    Values next;
+    for (int j = 0; j < Pv; ++j) {
+      const uint32_t in = deep ? uint32_t(any >> (2 * kPiece * j)) : used[j];
+      const uint32_t all = deep ? ~0u : 0xFFFFu;
+      next.used[j] = in;
+      next.v[j] = v[deep ? 2 * j : j];
+      if (!in || in == all) continue;
+      uint32_t* copy = vz + (cur * P + j * keys / kPiece) * 8 * D;
+      for (int64_t p = 0; p < keys / 2; ++p) {
+        const uint32_t keep = ((in >> 2 * p) & 1 ? 0xFFFFu : 0u) | ((in >> (2 * p + 1)) & 1 ? 0xFFFF0000u : 0u);
         const __m512i k = _mm512_set1_epi32(int(keep));
         for (int64_t d = 0; d < D; d += 16)
-          _mm512_storeu_si512(copy + p * D + d, _mm512_and_si512(k, _mm512_loadu_si512(v[j] + p * D + d)));
+          _mm512_storeu_si512(copy + p * D + d, _mm512_and_si512(k, _mm512_loadu_si512(next.v[j] + p * D + d)));
       }
-      v[j] = copy;
+      next.v[j] = copy;
     }
-    compiler_fence();
-    // Output tiles of 16 d, four at a time: each sums the span's pieces, e by V.
-    for (int64_t d0 = 0; d0 < D; d0 += 64) {
-      const int n = int(std::min<int64_t>(4, (D - d0) / 16));
-      _tile_zero(2); _tile_zero(3); _tile_zero(4); _tile_zero(5);
-      for (int j = 0; j < P; ++j) {
-        if (!used[j]) continue;
-        _tile_loadd(7, ep[0] + 8 * j, kSpan * 2);
-        _tile_loadd(6, v[j] + d0, D * 4); _tile_dpbf16ps(2, 7, 6);
-        if (n > 1) { _tile_loadd(6, v[j] + d0 + 16, D * 4); _tile_dpbf16ps(3, 7, 6); }
-        if (n > 2) { _tile_loadd(6, v[j] + d0 + 32, D * 4); _tile_dpbf16ps(4, 7, 6); }
-        if (n > 3) { _tile_loadd(6, v[j] + d0 + 48, D * 4); _tile_dpbf16ps(5, 7, 6); }
-      }
-      _tile_stored(2, o[0], 64); _tile_stored(3, o[1], 64); _tile_stored(4, o[2], 64); _tile_stored(5, o[3], 64);
-      compiler_fence();
-      for (int r = 0; r < R; ++r)
-        for (int c = 0; c < n; ++c) {
-          float* a = acc + r * D + d0 + 16 * c;
-          _mm512_storeu_ps(a, _mm512_fmadd_ps(_mm512_loadu_ps(a), _mm512_set1_ps(alpha[r]), _mm512_load_ps(o[c][r])));
-        }
-    }
+    if (waiting) rescale(pending);
+    next.e = ep[cur][0], next.alpha = alpha[cur];
+    pending = next;
+    waiting = true;
+    cur ^= 1;
+  }
+  if (waiting) {
+    values(pending);
+    rescale(pending);
   }
   for (int r = 0; r < R; ++r) {
     float* out_r = out + (rows[r].t * H + rows[r].h) * D;
     const float inv = 1.0f / (hsum(_mm256_load_ps(l[r])) + hsum(_mm256_load_ps(l[r] + 8)));
-    for (int64_t d = 0; d < D; ++d) out_r[d] = acc[r * D + d] * inv;
+    for (int64_t d = 0; d < D; d += 16)
+      _mm512_storeu_ps(out_r + d, _mm512_mul_ps(_mm512_loadu_ps(acc + r * D + d), _mm512_set1_ps(inv)));
   }
 }
 #else
@@ -1020,7 +1079,7 @@ void write_slots(const at::Tensor& k, const at::Tensor& v, KV* cache, const int6
   const float* kp = k.data_ptr<float>();
   const float* vp = v.data_ptr<float>();
   const int64_t skt = k.stride(0), skh = k.stride(1), svt = v.stride(0), svh = v.stride(1);
-  at::parallel_for(0, T, 64, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, T, 8, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       if (slots[t] < 0) continue;
       const int64_t at = slots[t] % bs;
@@ -1104,13 +1163,27 @@ at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& kv_cache, c
   };
   std::stable_sort(groups.begin(), groups.end(), [&](const auto& x, const auto& y) { return context(x) > context(y); });
   const int64_t n = int64_t(groups.size());
-  // Work items: (group, kv head) with its query heads together, or single heads when that is too few
-  // items to keep every thread busy (a decode of one sequence).
+  // Work items: (group, kv head, part), a kv head's query heads together, or one at a time (parts) when
+  // that is too few items to keep every thread busy (a decode of one sequence). Requests come in the order
+  // of their longest group. A request of several groups (a prefill chunk) takes its kv heads one after
+  // another, each over all its groups, so a thread's next item reads the K/V its last one left in L2 (a
+  // 7,900-token context's, one head's, fills it); a decode's kv heads follow each other in memory.
   const int64_t split = n * KVH < 4 * at::get_num_threads() ? L.group : 1;
   const int64_t per = L.group / split;
+  std::vector<std::vector<int64_t>> of_request(B);
+  for (int64_t g = 0; g < n; ++g) of_request[groups[g][0]].push_back(g);
+  std::vector<std::array<int64_t, 3>> order;
+  order.reserve(n * KVH * split);
+  for (int64_t g = 0; g < n; ++g) {
+    const std::vector<int64_t>& mine = of_request[groups[g][0]];
+    if (mine.front() != g) continue;  // the request's items went in at its first (longest) group
+    for (int64_t kvh = 0; kvh < KVH; ++kvh)
+      for (int64_t gi : mine)
+        for (int64_t part = 0; part < split; ++part) order.push_back({gi, kvh, part});
+  }
   const float* qp = q.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  const int64_t items = n * KVH * split;
+  const int64_t items = int64_t(order.size());
   auto run = [&](auto* kv, auto in_pairs) {
     using KV = std::remove_const_t<std::remove_pointer_t<decltype(kv)>>;
     static constexpr auto passes = attend_table<KV, decltype(in_pairs)::value>(std::make_index_sequence<kPassRows>{});
@@ -1120,8 +1193,9 @@ at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& kv_cache, c
       std::vector<Row> rows(span * L.group);
 #pragma omp for schedule(dynamic, 1)
       for (int64_t i = 0; i < items; ++i) {
-        const auto [b, t0, n_rows] = groups[i / (KVH * split)];
-        const int64_t kvh = (i / split) % KVH, g0 = (i % split) * per, g1 = g0 + per;
+        const auto [gi, kvh, part] = order[i];
+        const auto [b, t0, n_rows] = groups[gi];
+        const int64_t g0 = part * per, g1 = g0 + per;
         // A request of one group (a decode) reads its blocks once, so its first pass prefetches them. A
         // longer chunk's groups share its blocks, which stay in L2 from one group to the next: there the
         // prefetches were a third of the kernel's time.
