@@ -4,7 +4,7 @@ reuses one layer's cache for all 30 (K/V from cache), the way a single-call micr
 `--prefill N [N ...]` times a causal prefill of N tokens instead, in 2,048-token chunks as the engine
 runs it, on a bfloat16 cache (K and V in pairs where the kernels have AVX512-BF16): one layer's calls,
 times 30. `--dtype bfloat16` runs the decode steps on a bfloat16 cache (in pairs, likewise) instead of
-float16.
+float16. `--block-size` sets the cache's (16, kiln's default; from 32, AMX value tiles take 32 keys).
 
     .venv/bin/python perf/cpu_attention.py [--hot] [--dtype float16|bfloat16] [--prefill 1900 7900]
 """
@@ -21,7 +21,8 @@ import torch
 from kiln.ops.cpu import native
 from kiln.ops.cpu.attention import pair_layout
 
-HEADS, KV_HEADS, DIM, BLOCK, BLOCKS, LAYERS = 9, 3, 64, 16, 2912, 30
+HEADS, KV_HEADS, DIM, LAYERS = 9, 3, 64, 30
+CACHE_SLOTS = 2912 * 16  # the default model's 1 GiB per layer
 
 
 def main() -> None:
@@ -29,18 +30,21 @@ def main() -> None:
     ap.add_argument("--hot", action="store_true")
     ap.add_argument("--prefill", type=int, nargs="+", default=[])
     ap.add_argument("--dtype", choices=["float16", "bfloat16"], default="float16", help="decode's cache")
+    ap.add_argument("--block-size", type=int, default=16)
     args = ap.parse_args()
     native.load()
+    block = args.block_size
     if args.prefill:
-        return prefill(args.prefill)
+        return prefill(args.prefill, block)
+    blocks = CACHE_SLOTS // block
     dtype = getattr(torch, args.dtype)
     pairs = pair_layout(dtype, DIM)
     layers = 1 if args.hot else LAYERS
-    caches = [torch.randn(BLOCKS, 2, BLOCK, KV_HEADS, DIM).to(dtype) for _ in range(layers)]
+    caches = [torch.randn(blocks, 2, block, KV_HEADS, DIM).to(dtype) for _ in range(layers)]
     for batch, ctx in [(16, 200), (64, 200), (64, 600)]:
-        order = list(range(BLOCKS))
+        order = list(range(blocks))
         random.Random(0).shuffle(order)
-        width = -(-ctx // BLOCK)
+        width = -(-ctx // block)
         table = torch.tensor(order[: batch * width], dtype=torch.int32).view(batch, width)
         q = torch.randn(batch, HEADS, DIM)
         qsl = torch.arange(0, batch + 1, dtype=torch.int32)
@@ -57,13 +61,13 @@ def main() -> None:
         print(f"batch {batch}, context {ctx}: {ms / LAYERS:.3f} ms per layer, {mb / ms:.1f} GB/s of K/V")
 
 
-def prefill(lengths: list[int], chunk: int = 2048) -> None:
+def prefill(lengths: list[int], block: int, chunk: int = 2048) -> None:
     pairs = pair_layout(torch.bfloat16, DIM)
     for n in lengths:
-        width = -(-n // BLOCK)
+        width = -(-n // block)
         order = list(range(width))
         random.Random(0).shuffle(order)
-        cache = torch.randn(width, 2, BLOCK, KV_HEADS, DIM).bfloat16()
+        cache = torch.randn(width, 2, block, KV_HEADS, DIM).bfloat16()
         table = torch.tensor([order], dtype=torch.int32)
         chunks = [(c, min(n, c + chunk)) for c in range(0, n, chunk)]
         qs = [torch.randn(e - c, HEADS, DIM) for c, e in chunks]
