@@ -1091,24 +1091,24 @@ void write_slots(const at::Tensor& k, const at::Tensor& v, KV* cache, const int6
         KV* kh = kb + h * D * bs;
         KV* vh = vb + h * bs * D;
         if (pairs) {  // K[h, d / 2, at, d % 2], V[h, at / 2, d, at % 2]
-          int64_t d = 0;
+          int64_t d0 = 0;
 #if defined(__AVX512BF16__) && defined(__AVX512VL__)
           if constexpr (std::is_same_v<KV, c10::BFloat16>) {
             // Sixteen d at a time, rounded as c10::BFloat16 does: K's eight pair words (bs words apart) by a
             // scatter; V's halves of pair words by a masked store, which leaves the other key's (another
             // thread may be writing it) untouched.
             const __m256i apart = _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32(int(bs)));
-            const __mmask32 half = at % 2 ? 0xAAAAAAAAu : 0x55555555u;
-            for (; d + 16 <= D; d += 16) {
-              const __m256i kw = (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(kr + d));
-              _mm256_i32scatter_epi32(reinterpret_cast<int*>(kh) + (d / 2) * bs + at, apart, kw, 4);
-              const __m512i vw = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(vr + d)));
-              _mm512_mask_storeu_epi16(vh + (at / 2) * 2 * D + d * 2, half, at % 2 ? _mm512_slli_epi32(vw, 16) : vw);
+            const __mmask32 mine = at % 2 ? 0xAAAAAAAAu : 0x55555555u;
+            for (; d0 + 16 <= D; d0 += 16) {
+              const __m256i kw = (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(kr + d0));
+              _mm256_i32scatter_epi32(reinterpret_cast<int*>(kh) + (d0 / 2) * bs + at, apart, kw, 4);
+              const __m512i vw = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(vr + d0)));
+              _mm512_mask_storeu_epi16(vh + (at / 2) * 2 * D + d0 * 2, mine, at % 2 ? _mm512_slli_epi32(vw, 16) : vw);
             }
           }
 #endif
-          for (int64_t e = d; e < D; ++e) kh[(e / 2) * 2 * bs + at * 2 + e % 2] = KV(kr[e]);
-          for (; d < D; ++d) vh[(at / 2) * 2 * D + d * 2 + at % 2] = KV(vr[d]);
+          for (int64_t d = d0; d < D; ++d) kh[(d / 2) * 2 * bs + at * 2 + d % 2] = KV(kr[d]);
+          for (int64_t d = d0; d < D; ++d) vh[(at / 2) * 2 * D + d * 2 + at % 2] = KV(vr[d]);
         } else {  // K^T[h, d, at], V[h, at, d]
           for (int64_t d = 0; d < D; ++d) kh[d * bs + at] = KV(kr[d]);
           for (int64_t d = 0; d < D; ++d) vh[at * D + d] = KV(vr[d]);
@@ -1164,39 +1164,38 @@ at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& kv_cache, c
               "kiln_cpu::paged_attention: pairs need a bfloat16 cache, an even head dim and AVX512-BF16");
   at::Tensor out = at::zeros_like(q);
   // Groups of consecutive rows of one request, as many as fill a pass with the group's heads:
-  // (request, first row, rows), the longest contexts first. Threads take work items one at a time: split
-  // evenly, a causal prefill's later (longer) rows would all land on the last thread.
+  // (request, first row, rows), request by request (request b's are [first[b], first[b + 1])).
   const bool tiles = pairs && amx_attention(L.bs, D);
   const int64_t pass_rows = tiles ? 16 : kPassRows;
   const int64_t span = std::max<int64_t>(1, pass_rows / L.group);
   std::vector<std::array<int64_t, 3>> groups;
+  std::vector<int64_t> first(B + 1), requests;
   for (int64_t b = 0; b < B; ++b) {
+    first[b] = int64_t(groups.size());
     const int64_t end = std::min<int64_t>(L.qsl[b + 1], T);
     for (int64_t t = L.qsl[b]; t < end; t += span) groups.push_back({b, t, std::min<int64_t>(span, end - t)});
+    if (int64_t(groups.size()) > first[b]) requests.push_back(b);
   }
-  auto context = [&](const std::array<int64_t, 3>& g) {
-    return offset(L, g[0]) + g[1] + g[2];
-  };
-  std::stable_sort(groups.begin(), groups.end(), [&](const auto& x, const auto& y) { return context(x) > context(y); });
-  const int64_t n = int64_t(groups.size());
+  first[B] = int64_t(groups.size());
+  const int64_t n = first[B];
   // Work items: (group, kv head, part), a kv head's query heads together, or one at a time (parts) when
-  // that is too few items to keep every thread busy (a decode of one sequence). Requests come in the order
-  // of their longest group. A request of several groups (a prefill chunk) takes its kv heads one after
+  // that is too few items to keep every thread busy (a decode of one sequence). Threads take them one at
+  // a time, the longest contexts first: split evenly, a causal prefill's later (longer) rows would all
+  // land on the last thread. So requests go in the order of their longest (last) group, and within one,
+  // its groups from the last. A request of several groups (a prefill chunk) takes its kv heads one after
   // another, each over all its groups, so a thread's next item reads the K/V its last one left in L2 (a
   // 7,900-token context's, one head's, fills it); a decode's kv heads follow each other in memory.
   const int64_t split = n * KVH < 4 * at::get_num_threads() ? L.group : 1;
   const int64_t per = L.group / split;
-  std::vector<std::vector<int64_t>> of_request(B);
-  for (int64_t g = 0; g < n; ++g) of_request[groups[g][0]].push_back(g);
+  auto context = [&](int64_t g) { return offset(L, groups[g][0]) + groups[g][1] + groups[g][2]; };
+  std::stable_sort(requests.begin(), requests.end(),
+                   [&](int64_t x, int64_t y) { return context(first[x + 1] - 1) > context(first[y + 1] - 1); });
   std::vector<std::array<int64_t, 3>> order;
   order.reserve(n * KVH * split);
-  for (int64_t g = 0; g < n; ++g) {
-    const std::vector<int64_t>& mine = of_request[groups[g][0]];
-    if (mine.front() != g) continue;  // the request's items went in at its first (longest) group
+  for (int64_t b : requests)
     for (int64_t kvh = 0; kvh < KVH; ++kvh)
-      for (int64_t gi : mine)
-        for (int64_t part = 0; part < split; ++part) order.push_back({gi, kvh, part});
-  }
+      for (int64_t g = first[b + 1] - 1; g >= first[b]; --g)
+        for (int64_t part = 0; part < split; ++part) order.push_back({g, kvh, part});
   const float* qp = q.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const int64_t items = int64_t(order.size());
