@@ -232,19 +232,23 @@ inline void configure_tiles(int first, int second) {
 // The tile intrinsics are asm without memory operands: fence the compiler around them.
 inline void compiler_fence() { asm volatile("" ::: "memory"); }
 
+// The weights' tiles load with the streaming hint: they pass through L2 without evicting x's rows from L1,
+// which every block's tiles reload (each tile load otherwise waits on L2). pf steps once per k step.
+
 // One row tile by nb (1-4) blocks: C tiles tmm4.. over all K2 pairs, stored to out (rows ldo floats apart).
 inline void amx_row_tile(const uint32_t* x, int64_t ldx, const c10::BFloat16* w, int64_t K2, int nb, float* out,
-                         int64_t ldo) {
+                         int64_t ldo, Prefetcher& pf) {
   const int64_t sx = ldx * 4, block = K2 * 2 * kBlock;
   _tile_zero(4); _tile_zero(5); _tile_zero(6); _tile_zero(7);
   for (int64_t s = 0; s < K2; s += 16) {
+    pf.step();
     const c10::BFloat16* ws = w + s * 2 * kBlock;
     _tile_loadd(0, x + s, sx);
-    _tile_loadd(2, ws, 64);
+    _tile_stream_loadd(2, ws, 64);
     _tile_dpbf16ps(4, 0, 2);
-    if (nb > 1) { _tile_loadd(3, ws + block, 64); _tile_dpbf16ps(5, 0, 3); }
-    if (nb > 2) { _tile_loadd(2, ws + 2 * block, 64); _tile_dpbf16ps(6, 0, 2); }
-    if (nb > 3) { _tile_loadd(3, ws + 3 * block, 64); _tile_dpbf16ps(7, 0, 3); }
+    if (nb > 1) { _tile_stream_loadd(3, ws + block, 64); _tile_dpbf16ps(5, 0, 3); }
+    if (nb > 2) { _tile_stream_loadd(2, ws + 2 * block, 64); _tile_dpbf16ps(6, 0, 2); }
+    if (nb > 3) { _tile_stream_loadd(3, ws + 3 * block, 64); _tile_dpbf16ps(7, 0, 3); }
   }
   const int64_t so = ldo * 4;
   _tile_stored(4, out, so);
@@ -255,17 +259,18 @@ inline void amx_row_tile(const uint32_t* x, int64_t ldx, const c10::BFloat16* w,
 
 // Two row tiles (up to 32 rows) by nb (1-2) blocks, stored to out (rows ldo floats apart).
 inline void amx_two_row_tiles(const uint32_t* x, int64_t ldx, const c10::BFloat16* w, int64_t K2, int nb, float* out,
-                              int64_t ldo) {
+                              int64_t ldo, Prefetcher& pf) {
   const int64_t sx = ldx * 4, block = K2 * 2 * kBlock;
   _tile_zero(4); _tile_zero(5); _tile_zero(6); _tile_zero(7);
   for (int64_t s = 0; s < K2; s += 16) {
+    pf.step();
     const c10::BFloat16* ws = w + s * 2 * kBlock;
     _tile_loadd(0, x + s, sx);
     _tile_loadd(1, x + 16 * ldx + s, sx);
-    _tile_loadd(2, ws, 64);
+    _tile_stream_loadd(2, ws, 64);
     _tile_dpbf16ps(4, 0, 2);
     _tile_dpbf16ps(6, 1, 2);
-    if (nb > 1) { _tile_loadd(3, ws + block, 64); _tile_dpbf16ps(5, 0, 3); _tile_dpbf16ps(7, 1, 3); }
+    if (nb > 1) { _tile_stream_loadd(3, ws + block, 64); _tile_dpbf16ps(5, 0, 3); _tile_dpbf16ps(7, 1, 3); }
   }
   const int64_t so = ldo * 4;
   _tile_stored(4, out, so); _tile_stored(6, out + 16 * ldo, so);
@@ -284,12 +289,12 @@ void linear_amx(const uint32_t* x, int64_t ldx, int64_t K2, const c10::BFloat16*
     int config = -1;  // the configured pass's rows
     alignas(64) float out[32][64];
     // Tiles store straight into y, unless a bias is added or the blocks run past N: then through out.
-    auto multiply = [&](auto tiles, int64_t m0, int64_t rows, int64_t b, int nb) {
+    auto multiply = [&](auto tiles, int64_t m0, int64_t rows, int64_t b, int nb, Prefetcher& pf) {
       const int64_t n0 = b * kBlock, width = std::min<int64_t>(nb * kBlock, N - n0);
       const uint32_t* xm = x + m0 * ldx;
       const c10::BFloat16* wb = w + b * K2 * 2 * kBlock;
-      if (!bias && width == nb * kBlock) return tiles(xm, ldx, wb, K2, nb, y + m0 * N + n0, N);
-      tiles(xm, ldx, wb, K2, nb, &out[0][0], 64);
+      if (!bias && width == nb * kBlock) return tiles(xm, ldx, wb, K2, nb, y + m0 * N + n0, N, pf);
+      tiles(xm, ldx, wb, K2, nb, &out[0][0], 64, pf);
       compiler_fence();
       for (int64_t m = 0; m < rows; ++m) {
         float* dst = y + (m0 + m) * N + n0;
@@ -299,10 +304,20 @@ void linear_amx(const uint32_t* x, int64_t ldx, int64_t K2, const c10::BFloat16*
           for (int64_t i = 0; i < width; ++i) dst[i] = out[m][i];
       }
     };
+    // While a chunk's row passes run on the tiles, the next chunk comes into L2: with the hardware
+    // prefetcher alone, the tiles wait on the weights' stream from DRAM and do not overlap it.
     for (int64_t r0 = 0; r0 < M; r0 += row_block) {
       const int64_t r1 = std::min(M, r0 + row_block);
       for (int64_t c0 = begin; c0 < end; c0 += chunk) {
         const int64_t c1 = std::min(end, c0 + chunk);
+        const int64_t p0 = c1 < end ? c1 : r1 < M ? begin : end, p1 = std::min(end, p0 + chunk);  // the next chunk
+        int64_t steps = 0;
+        for (int64_t m0 = r0; m0 < r1; m0 += 32) {  // tile calls (2 or 4 blocks each) times their k steps
+          const int64_t nb = r1 - m0 > 16 ? 2 : 4;
+          steps += (c1 - c0 + nb - 1) / nb * (K2 / 16);
+        }
+        Prefetcher pf({reinterpret_cast<const char*>(w + p0 * K2 * 2 * kBlock), (p1 - p0) * block_bytes},
+                      std::max<int64_t>(1, steps));
         for (int64_t m0 = r0; m0 < r1; m0 += 32) {
           const int64_t rows = std::min<int64_t>(32, r1 - m0);
           if (rows != config) {
@@ -310,9 +325,9 @@ void linear_amx(const uint32_t* x, int64_t ldx, int64_t K2, const c10::BFloat16*
             config = static_cast<int>(rows);
           }
           if (rows > 16)
-            for (int64_t b = c0; b < c1; b += 2) multiply(amx_two_row_tiles, m0, rows, b, int(std::min<int64_t>(2, c1 - b)));
+            for (int64_t b = c0; b < c1; b += 2) multiply(amx_two_row_tiles, m0, rows, b, int(std::min<int64_t>(2, c1 - b)), pf);
           else
-            for (int64_t b = c0; b < c1; b += 4) multiply(amx_row_tile, m0, rows, b, int(std::min<int64_t>(4, c1 - b)));
+            for (int64_t b = c0; b < c1; b += 4) multiply(amx_row_tile, m0, rows, b, int(std::min<int64_t>(4, c1 - b)), pf);
         }
       }
     }
