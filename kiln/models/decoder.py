@@ -11,7 +11,7 @@ from kiln.models.spec import ArchSpec, ModelDims
 from kiln.ops.activation import ACTIVATIONS
 from kiln.ops.attention import TORCH_ATTENTION, AttentionImpl, AttnMetadata
 from kiln.ops.backend import TORCH_KERNELS, Kernels
-from kiln.ops.linear import Linear
+from kiln.ops.linear import GateUp, Linear
 from kiln.ops.moe import route
 from kiln.ops.norm import layer_norm
 from kiln.ops.rotary import rope_cos_sin, rope_inv_freq
@@ -75,12 +75,12 @@ class Attention(nn.Module):
 class GatedMLP(nn.Module):
     def __init__(self, d: ModelDims, kernels: Kernels) -> None:
         super().__init__()
-        self.kernels = kernels
-        self.gate_up = Linear(d.hidden_size, 2 * d.intermediate_size, d.mlp_bias, kernels.matmul)
-        self.down = Linear(d.intermediate_size, d.hidden_size, d.mlp_bias, kernels.matmul)
+        mm = kernels.matmul
+        self.gate_up = GateUp(d.hidden_size, d.intermediate_size, d.mlp_bias, mm, kernels.silu_and_mul)
+        self.down = Linear(d.intermediate_size, d.hidden_size, d.mlp_bias, mm)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down(self.kernels.silu_and_mul(self.gate_up(x)))
+        return self.down(self.gate_up(x))
 
 
 class PlainMLP(nn.Module):

@@ -10,12 +10,14 @@ after loading (`pack`), so no step converts a weight.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 
 BLOCK = 16  # CpuMatmul's packed columns per block (kernels.cpp's kBlock)
+Activation = Callable[[torch.Tensor], torch.Tensor]
 
 
 class Matmul(Protocol):
@@ -39,8 +41,39 @@ class Matmul(Protocol):
         """hidden [M, K] -> float32 [M, n]."""
         ...
 
+    def pack_gate_up(
+        self, weight: torch.Tensor, bias: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """A gated MLP's [2n, K] (gate's rows, then up's) and its bias -> the layout `gate_up` takes."""
+        ...
 
-class TorchMatmul:
+    def gate_up(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, n: int, act: Activation
+    ) -> torch.Tensor:
+        """act(x W^T + b) -> [M, n], act being the backend's silu(gate) * up."""
+        ...
+
+
+class SeparateGateUp:
+    """gate_up as two kernels: the linear layer's [gate | up], then act on it."""
+
+    def pack_gate_up(
+        self: Matmul, weight: torch.Tensor, bias: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return self.pack(weight), None if bias is None else self.pack_bias(bias)
+
+    def gate_up(
+        self: Matmul,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        n: int,
+        act: Activation,
+    ) -> torch.Tensor:
+        return act(self.linear(x, weight, bias, 2 * n))
+
+
+class TorchMatmul(SeparateGateUp):
     def __init__(self, storage: torch.dtype | None = None) -> None:
         self.storage = storage  # set: weights are widened to it at load
 
@@ -66,15 +99,15 @@ class TorchMatmul:
         return torch.mm(hidden.to(head.dtype), head.t(), out_dtype=torch.float32)
 
 
-class CpuMatmul:
+class CpuMatmul(SeparateGateUp):
     """Needs kiln.ops.cpu.native loaded (the backend choice does it). Activations are float32.
 
     bf16_dot (a CPU with AVX512-BF16, native.bf16_dot()): bfloat16 weights are packed in pairs of k, and
     the kernel rounds x to bfloat16 and multiplies pairs with one dot-product instruction, accumulating in
     float32: twice the multiplies of widening, the way torch's own bfloat16 GEMM runs on such a CPU."""
 
-    def __init__(self, bf16_dot: bool = False) -> None:
-        self.bf16_dot = bf16_dot
+    def __init__(self, bf16_dot: bool = False, amx: bool = False) -> None:
+        self.bf16_dot, self.amx = bf16_dot, amx
 
     def pack(self, weight: torch.Tensor) -> torch.Tensor:
         """[N, K] -> [ceil(N / 16), K, 16]: sixteen columns side by side, zero past N; or, bfloat16 weights
@@ -102,6 +135,27 @@ class CpuMatmul:
 
     def logits(self, hidden: torch.Tensor, head: torch.Tensor, n: int) -> torch.Tensor:
         return self.linear(hidden.float(), head, None, n)
+
+    def pack_gate_up(
+        self, weight: torch.Tensor, bias: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """On AMX, bfloat16: gate's and up's blocks of 16 columns interleaved, so one kernel's tiles hold a
+        block of each and multiply them into silu(gate) * up (kiln_cpu::gate_up)."""
+        n = weight.shape[0] // 2
+        if not (self.amx and self.bf16_dot and weight.dtype == torch.bfloat16 and n % 32 == 0):
+            return super().pack_gate_up(weight, bias)
+
+        def interleave(t: torch.Tensor) -> torch.Tensor:
+            return t.reshape(2, n // BLOCK, BLOCK, *t.shape[1:]).transpose(0, 1).reshape(t.shape)
+
+        return self.pack(interleave(weight)), None if bias is None else interleave(bias).float()
+
+    def gate_up(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, n: int, act: Activation
+    ) -> torch.Tensor:
+        if self.amx and weight.dim() == 4 and n % 32 == 0:  # as pack_gate_up interleaved it
+            return torch.ops.kiln_cpu.gate_up(self._rounded(x, weight), weight, n, bias)
+        return super().gate_up(x, weight, bias, n, act)
 
     @staticmethod
     def _rounded(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kiln.ops.activation import silu_and_mul
 from kiln.ops.attention import attention as reference_attention
 from kiln.ops.cpu import native
 from kiln.ops.cpu.attention import from_standard, pair_layout, write_kv
@@ -70,6 +71,32 @@ def test_bf16_pairs_are_bfloat16_products_and_batch_invariant(n: int, k: int) ->
     else:
         with pytest.raises(RuntimeError, match="bfloat16 x needs K a multiple of 32"):
             torch.ops.kiln_cpu.linear(x.bfloat16(), packed, n, bias)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_gate_up_is_silu_of_gate_times_up_and_batch_invariant(bias: bool) -> None:
+    """On AMX, a gated MLP's up projection packs gate's and up's blocks interleaved and one kernel returns
+    silu(gate) * up in bfloat16: the same products as the linear layer's, so the result is the reference's
+    rounded to bfloat16 (up to the exponential's last bit); each row's bits are its own whatever the rows
+    beside it. Elsewhere the pair stays two kernels, the linear layer then silu * up."""
+    torch.manual_seed(0)
+    n, k = 1536, 576
+    w, x = torch.randn(2 * n, k).bfloat16(), torch.randn(600, k)
+    b = torch.randn(2 * n) if bias else None
+    mm = CpuMatmul(bf16_dot=native.bf16_dot(), amx=native.amx())
+    packed, packed_bias = mm.pack_gate_up(w, b)
+    full = mm.gate_up(x, packed, packed_bias, n, silu_and_mul)
+    two = silu_and_mul(CpuMatmul(bf16_dot=native.bf16_dot()).linear(x, mm.pack(w), b, 2 * n))
+    if not native.amx():
+        assert torch.equal(full, two)
+        return
+    assert full.dtype == torch.bfloat16 and full.shape == (600, n)
+    torch.testing.assert_close(full.float(), two.bfloat16().float(), rtol=2**-7, atol=1e-6)
+    assert (full != two.bfloat16()).float().mean() < 1e-3  # rounding ties aside, the same bits
+    for at, rows in ((0, 1), (3, 16), (5, 17), (100, 33), (150, 64), (583, 17)):
+        part = mm.gate_up(x[at : at + rows], packed, packed_bias, n, silu_and_mul)
+        assert torch.equal(part, full[at : at + rows])
+    assert torch.equal(mm.gate_up(x.bfloat16(), packed, packed_bias, n, silu_and_mul), full)
 
 
 def _attend(

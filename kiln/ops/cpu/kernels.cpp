@@ -3,7 +3,8 @@
 // sequence of operations whatever the number of rows in the call, how rows are tiled, or how work is split
 // across threads:
 //  - linear: y[m, n] = bias[n] + sum over k of x[m, k] * w[n, k], accumulated in float32 by one chain in
-//    k order (an FMA per k, or with bfloat16 pairs on AVX512-BF16, a dot product per pair of k);
+//    k order (an FMA per k, or with bfloat16 pairs on AVX512-BF16, a dot product per pair of k); gate_up
+//    (AMX) takes two such sums per element, g and u, and gives silu(g) * u;
 //  - attention: a query row's online softmax walks its context in KV-cache blocks from position 0.
 // Built once per machine by kiln/ops/cpu/native.py; registered as torch ops under `kiln_cpu`.
 #include <ATen/Parallel.h>
@@ -46,6 +47,48 @@ inline __m256 load8(const c10::BFloat16* p) {
 inline float load1(const float* p) { return *p; }
 inline float load1(const c10::Half* p) { return static_cast<float>(*p); }
 inline float load1(const c10::BFloat16* p) { return static_cast<float>(*p); }
+
+// e^x for eight lanes (Cephes' expf: range reduction by ln 2, degree-5 polynomial); e^-inf = 0.
+inline __m256 exp8(__m256 x) {
+  const __m256 hi = _mm256_set1_ps(88.3762626647949f), lo = _mm256_set1_ps(-88.3762626647949f);
+  __m256 under = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
+  x = _mm256_max_ps(_mm256_min_ps(x, hi), lo);
+  __m256 fx = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                              _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
+  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, x, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, x, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, x, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, x, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, x, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(p, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
+  __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(fx), _mm256_set1_epi32(127)), 23);
+  return _mm256_andnot_ps(under, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
+}
+
+#if defined(__AVX512BF16__) && defined(__AVX512VL__)
+// exp8 on sixteen lanes: the same operations in the same order, so each lane's value is exp8's.
+inline __m512 exp16(__m512 x) {
+  const __m512 hi = _mm512_set1_ps(88.3762626647949f), lo = _mm512_set1_ps(-88.3762626647949f);
+  const __mmask16 under = _mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ);
+  x = _mm512_max_ps(_mm512_min_ps(x, hi), lo);
+  __m512 fx = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(0.693359375f), x);
+  x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(-2.12194440e-4f), x);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, x, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, x, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, x, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, x, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, x, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(x, x), _mm512_add_ps(x, _mm512_set1_ps(1.0f)));
+  const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(fx), _mm512_set1_epi32(127)), 23);
+  return _mm512_maskz_mov_ps(__mmask16(~under), _mm512_mul_ps(p, _mm512_castsi512_ps(e)));
+}
+#endif
 
 // ---------------------------------------------------------------------------------------------------
 // linear: x [M, K] float32 (rows may be strided), bias [N] float32 or none -> y [M, N] float32, with w in
@@ -277,15 +320,26 @@ inline void amx_two_row_tiles(const uint32_t* x, int64_t ldx, const c10::BFloat1
   if (nb > 1) { _tile_stored(5, out + 16, so); _tile_stored(7, out + 16 * ldo + 16, so); }
 }
 
-// x: [M, K2] pairs, rows ldx apart.
+// silu(g) * u for sixteen lanes, rounded to bfloat16 (nearest even) into h.
+inline void silu_mul16(__m512 g, __m512 u, c10::BFloat16* h) {
+  const __m512 one = _mm512_set1_ps(1.0f);
+  const __m512 silu = _mm512_div_ps(g, _mm512_add_ps(one, exp16(_mm512_sub_ps(_mm512_setzero_ps(), g))));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(h), (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(silu, u)));
+}
+
+// x: [M, K2] pairs, rows ldx apart. y [M, N] float32; or, gated, h [M, N / 2] bfloat16 = silu(gate) * up,
+// with w's blocks interleaved (gate's 16 columns, then up's same 16: CpuMatmul.pack_gate_up) and bias
+// likewise: each pair of blocks' tiles meet in the tile's output, so the gate_up product is never stored.
 void linear_amx(const uint32_t* x, int64_t ldx, int64_t K2, const c10::BFloat16* w, int64_t NB, const float* bias,
-                float* y, int64_t M, int64_t N) {
+                float* y, int64_t M, int64_t N, c10::BFloat16* h = nullptr) {
   const int64_t block_bytes = K2 * 2 * kBlock * 2;
   // Blocks per chunk: a chunk (about 256 KiB) stays in L2 while every row tile of a row block passes over
   // it; a row block of x (about 512 KiB) stays there while every chunk passes over it.
   const int64_t chunk = std::max<int64_t>(4, (256 << 10) / block_bytes / 4 * 4);
   const int64_t row_block = std::max<int64_t>(32, (512 << 10) / (K2 * 4) / 32 * 32);
-  at::parallel_for(0, NB, 1, [&](int64_t begin, int64_t end) {
+  const int64_t unit = h ? 2 : 1;  // gated: threads take whole (gate, up) pairs of blocks
+  at::parallel_for(0, NB / unit, 1, [&](int64_t begin, int64_t end) {
+    begin *= unit, end *= unit;
     int config = -1;  // the configured pass's rows
     alignas(64) float out[32][64];
     // Tiles store straight into y, unless a bias is added or the blocks run past N: then through out.
@@ -293,9 +347,21 @@ void linear_amx(const uint32_t* x, int64_t ldx, int64_t K2, const c10::BFloat16*
       const int64_t n0 = b * kBlock, width = std::min<int64_t>(nb * kBlock, N - n0);
       const uint32_t* xm = x + m0 * ldx;
       const c10::BFloat16* wb = w + b * K2 * 2 * kBlock;
-      if (!bias && width == nb * kBlock) return tiles(xm, ldx, wb, K2, nb, y + m0 * N + n0, N, pf);
+      if (!h && !bias && width == nb * kBlock) return tiles(xm, ldx, wb, K2, nb, y + m0 * N + n0, N, pf);
       tiles(xm, ldx, wb, K2, nb, &out[0][0], 64, pf);
       compiler_fence();
+      if (h) {
+        for (int64_t m = 0; m < rows; ++m)
+          for (int p = 0; p < nb; p += 2) {
+            __m512 g = _mm512_load_ps(&out[m][16 * p]), u = _mm512_load_ps(&out[m][16 * p + 16]);
+            if (bias) {
+              g = _mm512_add_ps(g, _mm512_loadu_ps(bias + n0 + 16 * p));
+              u = _mm512_add_ps(u, _mm512_loadu_ps(bias + n0 + 16 * p + 16));
+            }
+            silu_mul16(g, u, h + (m0 + m) * (N / 2) + n0 / 2 + 8 * p);
+          }
+        return;
+      }
       for (int64_t m = 0; m < rows; ++m) {
         float* dst = y + (m0 + m) * N + n0;
         if (bias)
@@ -447,6 +513,33 @@ at::Tensor linear(const at::Tensor& x_in, const at::Tensor& w, int64_t n, const 
   return y;
 }
 
+// silu(gate) * up of x times w packed by CpuMatmul.pack_gate_up (blocks of gate and up interleaved), bias
+// likewise: [M, n] bfloat16, the next linear layer's own pairs. x as for linear; AMX only.
+at::Tensor gate_up(const at::Tensor& x_in, const at::Tensor& w, int64_t n, const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(amx() && w.dim() == 4 && w.scalar_type() == at::kBFloat16 && w.is_contiguous(),
+              "kiln_cpu::gate_up: needs AMX and pair-packed bfloat16 weights");
+  TORCH_CHECK(n % kBlock == 0 && w.size(0) * kBlock == 2 * n, "kiln_cpu::gate_up: w must hold 2 n columns, n a multiple of 16");
+  TORCH_CHECK(x_in.dim() == 2 && (x_in.scalar_type() == at::kFloat || x_in.scalar_type() == at::kBFloat16),
+              "kiln_cpu::gate_up: x must be 2-D float32 or bfloat16");
+  const int64_t K = x_in.size(1), K2 = w.size(1);
+  TORCH_CHECK(K2 == (K + 31) / 32 * 16 && w.size(2) == kBlock && w.size(3) == 2, "kiln_cpu::gate_up: w does not fit x");
+  const bool rounded = x_in.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(!rounded || K % 32 == 0, "kiln_cpu::gate_up: bfloat16 x needs K a multiple of 32");
+  TORCH_CHECK(!bias.has_value() || (bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == 2 * n),
+              "kiln_cpu::gate_up: bias must be float32 [2 n]");
+  at::Tensor x = x_in.stride(1) == 1 && (!rounded || x_in.stride(0) % 2 == 0) ? x_in : x_in.contiguous();
+  const int64_t M = x.size(0);
+  at::Tensor h = at::empty({M, n}, x.options().dtype(at::kBFloat16));
+  if (M == 0) return h;
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+  const at::Tensor pairs = rounded ? x : to_pairs(x, K2);
+  const int64_t ldp = rounded ? x.stride(0) / 2 : K2;
+  linear_amx(reinterpret_cast<const uint32_t*>(pairs.data_ptr()), ldp, K2, w.data_ptr<c10::BFloat16>(), w.size(0),
+             bias.has_value() ? bias->data_ptr<float>() : nullptr, nullptr, M, 2 * n, h.data_ptr<c10::BFloat16>());
+#endif
+  return h;
+}
+
 bool bf16_dot() { return kBf16Dot; }
 
 // ---------------------------------------------------------------------------------------------------
@@ -456,47 +549,6 @@ bool bf16_dot() { return kBf16Dot; }
 // chain over d per key with keys along the vector lanes, the way the linear layers' micro-kernel runs, and
 // no score needs a horizontal sum.
 
-// e^x for eight lanes (Cephes' expf: range reduction by ln 2, degree-5 polynomial); e^-inf = 0.
-inline __m256 exp8(__m256 x) {
-  const __m256 hi = _mm256_set1_ps(88.3762626647949f), lo = _mm256_set1_ps(-88.3762626647949f);
-  __m256 under = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
-  x = _mm256_max_ps(_mm256_min_ps(x, hi), lo);
-  __m256 fx = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                              _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
-  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
-  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-  p = _mm256_fmadd_ps(p, x, _mm256_set1_ps(1.3981999507e-3f));
-  p = _mm256_fmadd_ps(p, x, _mm256_set1_ps(8.3334519073e-3f));
-  p = _mm256_fmadd_ps(p, x, _mm256_set1_ps(4.1665795894e-2f));
-  p = _mm256_fmadd_ps(p, x, _mm256_set1_ps(1.6666665459e-1f));
-  p = _mm256_fmadd_ps(p, x, _mm256_set1_ps(5.0000001201e-1f));
-  p = _mm256_fmadd_ps(p, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
-  __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(fx), _mm256_set1_epi32(127)), 23);
-  return _mm256_andnot_ps(under, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
-}
-
-#if defined(__AVX512BF16__) && defined(__AVX512VL__)
-// exp8 on sixteen lanes: the same operations in the same order, so each lane's value is exp8's.
-inline __m512 exp16(__m512 x) {
-  const __m512 hi = _mm512_set1_ps(88.3762626647949f), lo = _mm512_set1_ps(-88.3762626647949f);
-  const __mmask16 under = _mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ);
-  x = _mm512_max_ps(_mm512_min_ps(x, hi), lo);
-  __m512 fx = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(0.693359375f), x);
-  x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(-2.12194440e-4f), x);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, x, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, x, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, x, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, x, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, x, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_fmadd_ps(p, _mm512_mul_ps(x, x), _mm512_add_ps(x, _mm512_set1_ps(1.0f)));
-  const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(fx), _mm512_set1_epi32(127)), 23);
-  return _mm512_maskz_mov_ps(__mmask16(~under), _mm512_mul_ps(p, _mm512_castsi512_ps(e)));
-}
-#endif
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
 // 2^x for sixteen lanes, x <= 0: x = n + f with n whole and |f| <= 1/2, 2^f by its degree-6 Taylor
@@ -1352,6 +1404,7 @@ at::Tensor argmax(const at::Tensor& x_in) {
 
 TORCH_LIBRARY(kiln_cpu, m) {
   m.def("linear(Tensor x, Tensor w, int n, Tensor? bias) -> Tensor");
+  m.def("gate_up(Tensor x, Tensor w, int n, Tensor? bias) -> Tensor");
   m.def("bf16_dot() -> bool", &bf16_dot);  // whether linear takes pair-packed bfloat16 weights here
   m.def("amx() -> bool", &amx);              // whether it multiplies them with AMX tiles
   m.def("paged_attention(Tensor q, Tensor kv_cache, Tensor query_start_loc, Tensor seq_lens, "
@@ -1363,6 +1416,7 @@ TORCH_LIBRARY(kiln_cpu, m) {
 
 TORCH_LIBRARY_IMPL(kiln_cpu, CPU, m) {
   m.impl("linear", &linear);
+  m.impl("gate_up", &gate_up);
   m.impl("paged_attention", &paged_attention);
   m.impl("write_kv", &write_kv);
   m.impl("apply_bitmask", &apply_bitmask);

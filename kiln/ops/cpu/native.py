@@ -81,6 +81,10 @@ def _register_fakes() -> None:
     def _(x: torch.Tensor, w: torch.Tensor, n: int, bias: torch.Tensor | None) -> torch.Tensor:
         return x.new_empty(x.shape[0], n, dtype=torch.float32)
 
+    @torch.library.register_fake("kiln_cpu::gate_up")
+    def _(x: torch.Tensor, w: torch.Tensor, n: int, bias: torch.Tensor | None) -> torch.Tensor:
+        return x.new_empty(x.shape[0], n, dtype=torch.bfloat16)
+
     @torch.library.register_fake("kiln_cpu::write_kv")
     def _(k, v, kv_cache, slot_mapping, pairs):
         return None

@@ -10,6 +10,8 @@ import triton
 import triton.language as tl
 from torch.library import triton_op, wrap_triton
 
+from kiln.ops.matmul import SeparateGateUp
+
 # Triton's CPU interpreter (how the tests run without a GPU) gets 16-bit dot products wrong: it upcasts.
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -68,7 +70,7 @@ def invariant_matmul(
     return y.view(*x.shape[:-1], n)
 
 
-class TritonMatmul:
+class TritonMatmul(SeparateGateUp):
     """kiln.ops.matmul.Matmul on weights as loaded, batch-invariant (the deterministic mode's GEMM)."""
 
     def pack(self, weight: torch.Tensor) -> torch.Tensor:
