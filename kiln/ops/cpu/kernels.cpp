@@ -371,7 +371,8 @@ void linear_amx(const uint32_t* x, int64_t ldx, int64_t K2, const c10::BFloat16*
       }
     };
     // While a chunk's row passes run on the tiles, the next chunk comes into L2: with the hardware
-    // prefetcher alone, the tiles wait on the weights' stream from DRAM and do not overlap it.
+    // prefetcher alone, the tiles wait on the weights' stream from DRAM and do not overlap it. One row
+    // tile's pass is the stream itself (a decode of up to 16 rows), which the hardware keeps up with alone.
     for (int64_t r0 = 0; r0 < M; r0 += row_block) {
       const int64_t r1 = std::min(M, r0 + row_block);
       for (int64_t c0 = begin; c0 < end; c0 += chunk) {
@@ -382,7 +383,7 @@ void linear_amx(const uint32_t* x, int64_t ldx, int64_t K2, const c10::BFloat16*
           const int64_t nb = r1 - m0 > 16 ? 2 : 4;
           steps += (c1 - c0 + nb - 1) / nb * (K2 / 16);
         }
-        Prefetcher pf({reinterpret_cast<const char*>(w + p0 * K2 * 2 * kBlock), (p1 - p0) * block_bytes},
+        Prefetcher pf({reinterpret_cast<const char*>(w + p0 * K2 * 2 * kBlock), M > 16 ? (p1 - p0) * block_bytes : 0},
                       std::max<int64_t>(1, steps));
         for (int64_t m0 = r0; m0 < r1; m0 += 32) {
           const int64_t rows = std::min<int64_t>(32, r1 - m0);
