@@ -142,7 +142,7 @@ class CpuMatmul(SeparateGateUp):
         """On AMX, bfloat16: gate's and up's blocks of 16 columns interleaved, so one kernel's tiles hold a
         block of each and multiply them into silu(gate) * up (kiln_cpu::gate_up)."""
         n = weight.shape[0] // 2
-        if not (self.amx and self.bf16_dot and weight.dtype == torch.bfloat16 and n % 32 == 0):
+        if not self._fuses(n, self.bf16_dot and weight.dtype == torch.bfloat16):
             return super().pack_gate_up(weight, bias)
 
         def interleave(t: torch.Tensor) -> torch.Tensor:
@@ -153,9 +153,14 @@ class CpuMatmul(SeparateGateUp):
     def gate_up(
         self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, n: int, act: Activation
     ) -> torch.Tensor:
-        if self.amx and weight.dim() == 4 and n % 32 == 0:  # as pack_gate_up interleaved it
+        if self._fuses(n, weight.dim() == 4):
             return torch.ops.kiln_cpu.gate_up(self._rounded(x, weight), weight, n, bias)
         return super().gate_up(x, weight, bias, n, act)
+
+    def _fuses(self, n: int, pairs: bool) -> bool:
+        """Whether gate_up is one kernel for pair-packed weights of width n (its bfloat16 output is then the
+        down projection's own pairs, which needs n whole tiles of 32)."""
+        return self.amx and pairs and n % 32 == 0
 
     @staticmethod
     def _rounded(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

@@ -236,6 +236,13 @@ at::Tensor to_pairs(const at::Tensor& x, int64_t K2) {
   });
   return out;
 }
+
+// x's rows as pairs for K2 pairs of k, and their stride in pairs: a bfloat16 x is its own pairs (read in
+// place), a float32 x is rounded into a copy.
+std::pair<at::Tensor, int64_t> pairs_of(const at::Tensor& x, int64_t K2) {
+  if (x.scalar_type() == at::kBFloat16) return {x, x.stride(0) / 2};
+  return {to_pairs(x, K2), K2};
+}
 #else
 constexpr bool kBf16Dot = false;
 #endif
@@ -462,6 +469,14 @@ void linear_impl(const typename P::X* x, int64_t ldx, const typename P::Weight* 
 
 // x [M, K] float32 with any w; or, with pair-packed w and K a multiple of 32, bfloat16 (its rows are their
 // own pairs: a producer that rounds them saves this call rounding a float32 copy).
+// x with its columns adjacent and, in bfloat16 (K a multiple of 32), its rows whole pairs apart: x itself
+// where it is so, else a contiguous copy.
+at::Tensor readable(const at::Tensor& x, const char* op) {
+  const bool rounded = x.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(!rounded || x.size(1) % 32 == 0, op, ": bfloat16 x needs K a multiple of 32");
+  return x.stride(1) == 1 && (!rounded || x.stride(0) % 2 == 0) ? x : x.contiguous();
+}
+
 at::Tensor linear(const at::Tensor& x_in, const at::Tensor& w, int64_t n, const c10::optional<at::Tensor>& bias) {
   const bool dot = w.dim() == 4;
   TORCH_CHECK(x_in.dim() == 2 && (x_in.scalar_type() == at::kFloat || (dot && x_in.scalar_type() == at::kBFloat16)),
@@ -472,9 +487,7 @@ at::Tensor linear(const at::Tensor& x_in, const at::Tensor& w, int64_t n, const 
   TORCH_CHECK(packed && w.is_contiguous(),
               "kiln_cpu::linear: w must be packed [blocks, K, 16], or [blocks, ceil(K / 32) * 16, 16, 2] in bfloat16");
   TORCH_CHECK(n > (w.size(0) - 1) * kBlock && n <= w.size(0) * kBlock, "kiln_cpu::linear: n does not fit w");
-  const bool rounded = x_in.scalar_type() == at::kBFloat16;
-  TORCH_CHECK(!rounded || K % 32 == 0, "kiln_cpu::linear: bfloat16 x needs K a multiple of 32");
-  at::Tensor x = x_in.stride(1) == 1 && (!rounded || x_in.stride(0) % 2 == 0) ? x_in : x_in.contiguous();
+  const at::Tensor x = readable(x_in, "kiln_cpu::linear");
   const float* b = nullptr;
   if (bias.has_value()) {
     TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == n,
@@ -489,8 +502,7 @@ at::Tensor linear(const at::Tensor& x_in, const at::Tensor& w, int64_t n, const 
     TORCH_CHECK(w.scalar_type() == at::kBFloat16, "kiln_cpu::linear: pair-packed weights must be bfloat16");
 #if defined(__AVX512BF16__) && defined(__AVX512VL__)
     const int64_t K2 = w.size(1);
-    const at::Tensor pairs = rounded ? x : to_pairs(x, K2);
-    const int64_t ldp = rounded ? x.stride(0) / 2 : K2;
+    const auto [pairs, ldp] = pairs_of(x, K2);
     const uint32_t* xp = reinterpret_cast<const uint32_t*>(pairs.data_ptr());
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
     if (amx()) {
@@ -524,17 +536,14 @@ at::Tensor gate_up(const at::Tensor& x_in, const at::Tensor& w, int64_t n, const
               "kiln_cpu::gate_up: x must be 2-D float32 or bfloat16");
   const int64_t K = x_in.size(1), K2 = w.size(1);
   TORCH_CHECK(K2 == (K + 31) / 32 * 16 && w.size(2) == kBlock && w.size(3) == 2, "kiln_cpu::gate_up: w does not fit x");
-  const bool rounded = x_in.scalar_type() == at::kBFloat16;
-  TORCH_CHECK(!rounded || K % 32 == 0, "kiln_cpu::gate_up: bfloat16 x needs K a multiple of 32");
   TORCH_CHECK(!bias.has_value() || (bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == 2 * n),
               "kiln_cpu::gate_up: bias must be float32 [2 n]");
-  at::Tensor x = x_in.stride(1) == 1 && (!rounded || x_in.stride(0) % 2 == 0) ? x_in : x_in.contiguous();
+  const at::Tensor x = readable(x_in, "kiln_cpu::gate_up");
   const int64_t M = x.size(0);
   at::Tensor h = at::empty({M, n}, x.options().dtype(at::kBFloat16));
   if (M == 0) return h;
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-  const at::Tensor pairs = rounded ? x : to_pairs(x, K2);
-  const int64_t ldp = rounded ? x.stride(0) / 2 : K2;
+  const auto [pairs, ldp] = pairs_of(x, K2);
   linear_amx(reinterpret_cast<const uint32_t*>(pairs.data_ptr()), ldp, K2, w.data_ptr<c10::BFloat16>(), w.size(0),
              bias.has_value() ? bias->data_ptr<float>() : nullptr, nullptr, M, 2 * n, h.data_ptr<c10::BFloat16>());
 #endif
