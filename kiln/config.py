@@ -24,13 +24,21 @@ class ModelConfig(_Section):
 
 
 class CacheConfig(_Section):
-    block_size: Annotated[int, Meta(ge=1)] = 16
+    # null: 32 on a CPU (kiln's AMX attention takes 32 keys of a block per value tile multiply; vLLM's CPU
+    # backend asks for multiples of 32 too), 16 on a GPU.
+    block_size: Annotated[int, Meta(ge=1)] | None = None
     # null: on a GPU, sized from gpu_memory_utilization; on a CPU, 1 GiB. Set, it wins over both.
     kv_cache_gib: Annotated[float, Meta(gt=0)] | None = None
     enable_prefix_caching: bool = True
     # The share of the GPU's memory kiln may use (null: 0.9, as vLLM); the KV cache gets what the weights,
     # the largest step and the CUDA graphs leave of it.
     gpu_memory_utilization: Annotated[float, Meta(gt=0, le=1)] | None = None
+
+    def on(self, device_type: str) -> CacheConfig:
+        """This section with its block size decided for the device."""
+        if self.block_size is not None:
+            return self
+        return msgspec.structs.replace(self, block_size=32 if device_type == "cpu" else 16)
 
 
 class SchedulerConfig(_Section):

@@ -31,7 +31,7 @@ def test_flags_override_the_file(tmp_path: Path) -> None:
     [
         ("scheduler:\n  max_num_seq: 8\n", "unknown key 'scheduler.max_num_seq'"),
         ("sever:\n  port: 1\n", "unknown key 'sever'"),
-        ("cache:\n  block_size: big\n", "key 'cache.block_size': Expected `int`, got `str`"),
+        ("cache:\n  block_size: big\n", "key 'cache.block_size': Expected `int | null`, got `str`"),
         ("server:\n  port: 70000\n", "key 'server.port': Expected `int` <= 65535"),
         ("model: [1]\n", "key 'model': Expected `object`, got `array`"),
         (

@@ -40,10 +40,11 @@ def load_tokenizer(config: EngineConfig, model_path: Path) -> Any:
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         config.check_supported()
-        self.config = config
         clock = time.perf_counter()
         path = resolve_model(config.model.model)
         device = resolve_device(config.model.device)
+        config = msgspec.structs.replace(config, cache=config.cache.on(device.type))
+        self.config = config
         point_caches(cache_root())
         b = config.backend
         _, dims, dtype = inspect_model(path, config.model.dtype, device)

@@ -75,6 +75,7 @@ def tight(default_model_dir: Path) -> LLM:
         str(default_model_dir),
         dtype="float32",
         max_model_len=MAX_MODEL_LEN,
+        block_size=16,
         kv_cache_gib=0.0172,  # 25 blocks, one of them the padding block
         max_num_batched_tokens=64,
     )

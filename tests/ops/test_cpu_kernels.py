@@ -154,11 +154,12 @@ def test_attention_rows_do_not_depend_on_chunking_or_neighbours(
     assert torch.equal(_attend(q[9:10], cache, [0, 1], [lens[1]], [tables[1]], window), got[9:10])
 
 
-@pytest.mark.parametrize("block", [16, 64])
+@pytest.mark.parametrize("block", [16, 32, 64])
 def test_long_prefill_rows_do_not_depend_on_chunking(block: int) -> None:
-    """A 300-token bfloat16 prefill (spans its rows see whole, spans cut by the causal edge; value tiles of
-    16 keys, or 32 where blocks hold them) against the torch reference, then in other chunks and as
-    decodes: the same bits for every row. The slots past the context hold NaN."""
+    """A 300-token bfloat16 prefill (with AMX, from blocks of 32: passes of two row tiles, spans its rows
+    see whole and spans cut by the causal edge; blocks of 16 take the vector kernel) against the torch
+    reference, then in other chunks and as decodes: the same bits for every row. The slots past the
+    context hold NaN."""
     torch.manual_seed(1)
     heads, kv_heads, dim, n = 9, 3, 64, 300
     blocks = -(-n // block)

@@ -933,92 +933,49 @@ void attend(const Layout& L, const float* q, const KV* kv, float* out, int64_t b
 }
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-// attend on AMX tiles, for the pair layout with block_size a multiple of 16 and D a multiple of 32. The
-// queries carry the scale and log2(e), so the scores come out in base 2 and the softmax takes 2^x (two
-// fewer multiplies and a shorter exponential per score). The online softmax steps over spans of 64
-// positions at fixed offsets (0, 64, ...): per span, the pass's R rows (1-16) get the scores of each
-// 16-key piece as one tile (Q by K^T, 32 d per tile multiply), the softmax runs on them in vectors, and
-// the values come from tile multiplies of e in bfloat16 pairs by V (16 or, with blocks of 32 keys or
-// more, 32 keys per tile multiply), summed over the span's keys in each 16-d output tile, then added to
-// the rows' rescaled accumulators. A span's values are multiplied after the next span's scores, so the
-// tiles work while the vectors do the softmax. A tile loads all of its keys: keys outside every row's span
-// are zeroed in a copy of V first (an unwritten slot's bits need not be a number). Every pass runs this
-// way, whatever R, so a row's result never depends on the rows beside it.
-constexpr int64_t kSpan = 64;  // positions per online-softmax step on tiles: four pieces
-// attend_amx's work, in floats per unit of D: accumulators [16, D], queries as pairs [16, D/2], two
-// spans' V copies as pairs [2][4][8][D], and a span's values [D/16][16][16].
-constexpr int64_t kTileWork = 16 + 8 + 2 * kSpan / kPiece * 8 + 16;
+// attend on AMX tiles, for the pair layout with block_size and D multiples of 32. A pass holds up to 32
+// rows: one row tile (R <= 16) or two (16 and R - 16), which share every K and V tile load. The queries
+// carry the scale and log2(e), so the scores come out in base 2 and the softmax takes 2^x (two fewer
+// multiplies and a shorter exponential per score). The online softmax steps over spans of 64 positions
+// at fixed offsets (0, 64, ...): per span, each 16-key piece's scores for a row tile are one C tile (Q by
+// K^T, 32 d per tile multiply), the softmax runs on them in vectors, and e in bfloat16 pairs times V (32
+// keys per tile multiply) adds into the rows' float32 accumulators, which the C tiles load and store
+// whole. A row's weights are e = 2^(x - m) against a reference max m that moves only when a score passes
+// it by more than kSlack (always on the row's first keys): then the row's sums and accumulators are
+// rescaled once, and otherwise never, so most spans add into the accumulators with no vector work. The
+// result is the same softmax; e stays below 2^kSlack. A span's values are multiplied after the next
+// span's scores, so the tiles work while the vectors do the softmax. A value tile loads all of its keys:
+// keys outside every row's span are zeroed in a copy of V first (an unwritten slot's bits need not be a
+// number). Every pass runs this way, and a row's reference max depends on its own scores alone, so its
+// result never depends on the rows beside it.
+constexpr int64_t kSpan = 64;     // positions per online-softmax step on tiles: four pieces
+constexpr int64_t kKeyTile = 32;  // keys per value tile multiply: 16 pairs
+constexpr float kSlack = 8.0f;
+// attend_amx's work, in floats per unit of D: accumulators [32, D], queries as pairs [32, D/2], two
+// spans' V copies as pair rows [2][kSpan / 2][D].
+constexpr int64_t kTileWork = 32 + 16 + kSpan;
 
-bool amx_attention(int64_t bs, int64_t D) { return amx() && bs % kPiece == 0 && D % 32 == 0; }
+bool amx_attention(int64_t bs, int64_t D) { return amx() && bs % kKeyTile == 0 && D % 32 == 0; }
 
+// NT row tiles: R rows, 1-16 (NT = 1) or 17-32 (NT = 2). Tiles: tmm0-1 A (a row tile's queries, or its
+// e), tmm2-3 B (K^T or V), tmm4-7 C (scores, or accumulators): NT = 1 uses tmm4-7 for four pieces or
+// four 16-d tiles, NT = 2 tmm4-5 for row tile 0 and tmm6-7 for row tile 1, two of each at a time.
+template <int NT>
 void attend_amx(const Layout& L, const float* q, const c10::BFloat16* kv, float* out, int64_t b, const Row* rows,
                 int R, int64_t kvh, int64_t H, bool fetch, float* work) {
-  const int64_t D = L.D, bs = L.bs, half = bs * L.kvh_count * D, D2 = D / 2;
+  const int64_t D = L.D, bs = L.bs, half = bs * L.kvh_count * D, D2 = D / 2, DT = D / 16;
   const int32_t* table = L.table + b * L.table_width;
   constexpr float inf = std::numeric_limits<float>::infinity();
-  constexpr int P = kSpan / kPiece;
-  // Blocks of 32 keys or more hold two pieces' V as one tile's 16 pairs of keys: the values then take
-  // half the tile multiplies, each twice as deep.
-  const bool deep = bs % (2 * kPiece) == 0;
-  const int Pv = deep ? P / 2 : P, keys = deep ? 2 * kPiece : kPiece;  // value tiles per span, their keys
-  // tmm0 Q (R x 16 pairs of d), tmm1 K^T (16 pairs of d x 16 keys), tmm2-5 a piece's scores, then a 16-d
-  // output tile (R x 16 floats), tmm6 V (keys / 2 pairs of keys x 16 d), tmm7 e (R x keys / 2 pairs).
-  {
-    TileConfig c;
-    for (int t = 0; t < 8; ++t) c.rows[t] = uint8_t(R), c.colsb[t] = 64;
-    c.rows[1] = 16, c.rows[6] = uint8_t(keys / 2), c.colsb[7] = uint16_t(keys * 2);
-    _tile_loadconfig(&c);
-  }
-  float* acc = work;                                         // [R, D]
-  uint32_t* qp = reinterpret_cast<uint32_t*>(work + 16 * D);  // the rows' queries as bfloat16 pairs [R, D/2]
-  uint32_t* vz = qp + 16 * D2;                                // [2][P][8][D]: V copies with keys zeroed
-  float* o = reinterpret_cast<float*>(vz + 2 * P * 8 * D);    // [D/16][16][16]: a span's e by V
+  constexpr int P = kSpan / kPiece, KT = kSpan / kKeyTile, G = 4 / NT;  // G: C tiles per row tile
+  configure_tiles(NT == 1 ? R : 16, NT == 1 ? 0 : R - 16);
+  float* acc = work;  // [NT][D/16][16][16]: a row tile's 16-d accumulator tiles, as C tiles hold them
+  uint32_t* qp = reinterpret_cast<uint32_t*>(work + 32 * D);  // the rows' queries as bfloat16 pairs [32, D/2]
+  uint32_t* vz = qp + 32 * D2;                                // [2][kSpan / 2][D]: V copies with keys zeroed
   const float scale = L.scale * 1.44269504088896341f;
-  int64_t pos[16], lo[16];
-  float m[16];
-  alignas(64) float l[16][kPiece] = {}, s[P][16][kPiece], shift[16] = {}, alpha[2][16];
-  alignas(64) float sums[16][kPiece];
-  alignas(64) uint32_t ep[2][16][kSpan / 2];
-  // A span's values wait for the next span's scores: the tile multiplies of one run while the vector
-  // softmax of the other does. Its pieces, their V (or copies), e and rescales:
-  struct Values {
-    uint32_t used[P];  // by value tile: its keys' bits
-    const uint32_t* v[P];
-    const uint32_t* e;
-    const float* alpha;
-  };
-  Values pending;
-  bool waiting = false;
-  int cur = 0;  // which of the double buffers (ep, alpha, vz) this span fills
-  // Output tiles of 16 d, four at a time: each sums the span's pieces, e by V, into o.
-  auto values = [&](const Values& w) {
-    compiler_fence();
-    for (int64_t d0 = 0; d0 < D; d0 += 64) {
-      const int n = int(std::min<int64_t>(4, (D - d0) / 16));
-      _tile_zero(2); _tile_zero(3); _tile_zero(4); _tile_zero(5);
-      for (int j = 0; j < Pv; ++j) {
-        if (!w.used[j]) continue;
-        _tile_loadd(7, w.e + keys / 2 * j, kSpan * 2);
-        _tile_loadd(6, w.v[j] + d0, D * 4); _tile_dpbf16ps(2, 7, 6);
-        if (n > 1) { _tile_loadd(6, w.v[j] + d0 + 16, D * 4); _tile_dpbf16ps(3, 7, 6); }
-        if (n > 2) { _tile_loadd(6, w.v[j] + d0 + 32, D * 4); _tile_dpbf16ps(4, 7, 6); }
-        if (n > 3) { _tile_loadd(6, w.v[j] + d0 + 48, D * 4); _tile_dpbf16ps(5, 7, 6); }
-      }
-      float* od = o + d0 * 16;
-      _tile_stored(2, od, 64);
-      if (n > 1) _tile_stored(3, od + 256, 64);
-      if (n > 2) _tile_stored(4, od + 512, 64);
-      if (n > 3) _tile_stored(5, od + 768, 64);
-    }
-    compiler_fence();
-  };
-  auto rescale = [&](const Values& w) {
-    for (int r = 0; r < R; ++r)
-      for (int64_t c = 0; c < D / 16; ++c) {
-        float* a = acc + r * D + 16 * c;
-        _mm512_storeu_ps(a, _mm512_fmadd_ps(_mm512_loadu_ps(a), _mm512_set1_ps(w.alpha[r]), _mm512_load_ps(o + c * 256 + r * 16)));
-      }
-  };
+  int64_t pos[32], lo[32];
+  float m[32];
+  alignas(64) float l[32][16] = {}, s[NT][P][16][16];
+  alignas(64) c10::BFloat16 ep[2][NT][16][kSpan];  // e, by row tile: its rows' weights for the span's keys
   for (int r = 0; r < R; ++r) {
     pos[r] = offset(L, b) + rows[r].t;
     lo[r] = L.window > 0 ? std::max<int64_t>(0, pos[r] - L.window + 1) : 0;
@@ -1028,7 +985,7 @@ void attend_amx(const Layout& L, const float* q, const c10::BFloat16* kv, float*
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(qp + r * D2 + d / 2),
                           (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(qr + d), _mm512_set1_ps(scale))));
   }
-  std::fill(acc, acc + R * D, 0.0f);
+  std::fill(acc, acc + NT * 16 * D, 0.0f);
   const int64_t lo_min = *std::min_element(lo, lo + R), pos_max = *std::max_element(pos, pos + R);
   auto keys_of = [&](int64_t blk) { return kv + int64_t(table[blk]) * 2 * half + kvh * D * bs; };
   auto values_of = [&](int64_t blk) { return kv + int64_t(table[blk]) * 2 * half + half + kvh * bs * D; };
@@ -1036,88 +993,161 @@ void attend_amx(const Layout& L, const float* q, const c10::BFloat16* kv, float*
   if (fetch)
     for (int64_t blk = lo_min / bs; blk < std::min(lo_min / bs + kAhead, last + 1); ++blk)
       prefetch_block(keys_of(blk), values_of(blk), bs * D);
+  // A span's values wait for the next span's scores: the tile multiplies of one run while the vector
+  // softmax of the other does. Its value tiles (keys' bits, V or a copy) and which e buffer:
+  struct Values {
+    uint32_t used[KT];
+    const uint32_t* v[KT];
+    int buf;
+  };
+  Values pending;
+  bool waiting = false;
+  int cur = 0;  // which of the double buffers (ep, vz) this span fills
+  // The accumulators' 16-d tiles, G per row tile at a time: loaded, the span's e by V added, stored.
+  auto values = [&](const Values& w) {
+    compiler_fence();
+    for (int64_t d0 = 0; d0 < DT; d0 += G) {
+      const int n = int(std::min<int64_t>(G, DT - d0));
+      float* a0 = acc + d0 * 256;
+      float* a1 = acc + (DT + d0) * 256;  // row tile 1's
+      if constexpr (NT == 1) {
+        _tile_loadd(4, a0, 64);
+        if (n > 1) _tile_loadd(5, a0 + 256, 64);
+        if (n > 2) _tile_loadd(6, a0 + 512, 64);
+        if (n > 3) _tile_loadd(7, a0 + 768, 64);
+        for (int j = 0; j < KT; ++j) {
+          if (!w.used[j]) continue;
+          const uint32_t* v = w.v[j] + 16 * d0;
+          _tile_loadd(0, &ep[w.buf][0][0][kKeyTile * j], kSpan * 2);
+          _tile_loadd(2, v, D * 4); _tile_dpbf16ps(4, 0, 2);
+          if (n > 1) { _tile_loadd(3, v + 16, D * 4); _tile_dpbf16ps(5, 0, 3); }
+          if (n > 2) { _tile_loadd(2, v + 32, D * 4); _tile_dpbf16ps(6, 0, 2); }
+          if (n > 3) { _tile_loadd(3, v + 48, D * 4); _tile_dpbf16ps(7, 0, 3); }
+        }
+        _tile_stored(4, a0, 64);
+        if (n > 1) _tile_stored(5, a0 + 256, 64);
+        if (n > 2) _tile_stored(6, a0 + 512, 64);
+        if (n > 3) _tile_stored(7, a0 + 768, 64);
+      } else {
+        _tile_loadd(4, a0, 64); _tile_loadd(6, a1, 64);
+        if (n > 1) { _tile_loadd(5, a0 + 256, 64); _tile_loadd(7, a1 + 256, 64); }
+        for (int j = 0; j < KT; ++j) {
+          if (!w.used[j]) continue;
+          const uint32_t* v = w.v[j] + 16 * d0;
+          _tile_loadd(0, &ep[w.buf][0][0][kKeyTile * j], kSpan * 2);
+          _tile_loadd(1, &ep[w.buf][1][0][kKeyTile * j], kSpan * 2);
+          _tile_loadd(2, v, D * 4); _tile_dpbf16ps(4, 0, 2); _tile_dpbf16ps(6, 1, 2);
+          if (n > 1) { _tile_loadd(3, v + 16, D * 4); _tile_dpbf16ps(5, 0, 3); _tile_dpbf16ps(7, 1, 3); }
+        }
+        _tile_stored(4, a0, 64); _tile_stored(6, a1, 64);
+        if (n > 1) { _tile_stored(5, a0 + 256, 64); _tile_stored(7, a1 + 256, 64); }
+      }
+    }
+    compiler_fence();
+  };
   for (int64_t base = lo_min / kSpan * kSpan; base <= pos_max; base += kSpan) {
     auto below = [](int64_t n) { return n >= 64 ? ~0ull : (1ull << n) - 1; };  // bits [0, n)
-    uint64_t own[16], any = 0;  // each row's positions in the span, and their union
+    uint64_t own[32], any = 0;  // each row's positions in the span, and their union
     for (int r = 0; r < R; ++r) {
       const int64_t v0 = std::clamp<int64_t>(lo[r] - base, 0, kSpan), v1 = std::clamp<int64_t>(pos[r] + 1 - base, 0, kSpan);
       own[r] = below(v1) & ~below(v0);
       any |= own[r];
     }
     if (!any) continue;
-    __mmask16 used[P];
+    bool used[P];
     const c10::BFloat16* kt[P];
-    const uint32_t* v[P];
     for (int j = 0; j < P; ++j) {
-      used[j] = __mmask16(any >> (kPiece * j));
-    }
-    for (int j = 0; j < P; ++j) {
-      if (!used[j] && !(deep && used[j ^ 1])) continue;  // a deep value tile reads its partner's V too
+      used[j] = (any >> (kPiece * j)) & 0xFFFF;
       const int64_t at = base + kPiece * j, blk = at / bs, c0 = at % bs;
       if (fetch && c0 == 0 && blk + kAhead <= last) prefetch_block(keys_of(blk + kAhead), values_of(blk + kAhead), bs * D);
-      kt[j] = keys_of(blk) + 2 * c0;
-      v[j] = reinterpret_cast<const uint32_t*>(values_of(blk) + c0 * D);
+      if (used[j]) kt[j] = keys_of(blk) + 2 * c0;
     }
+    // Each piece's score tile sums its d slices in order.
     compiler_fence();
-    // Each piece's score tile sums its d slices in order; Q's slice is loaded once for all four pieces.
-    _tile_zero(2); _tile_zero(3); _tile_zero(4); _tile_zero(5);
-    for (int64_t d0 = 0; d0 < D2; d0 += 16) {
-      _tile_loadd(0, qp + d0, D2 * 4);
-      if (used[0]) { _tile_loadd(1, kt[0] + d0 * bs * 2, bs * 4); _tile_dpbf16ps(2, 0, 1); }
-      if (used[1]) { _tile_loadd(1, kt[1] + d0 * bs * 2, bs * 4); _tile_dpbf16ps(3, 0, 1); }
-      if (used[2]) { _tile_loadd(1, kt[2] + d0 * bs * 2, bs * 4); _tile_dpbf16ps(4, 0, 1); }
-      if (used[3]) { _tile_loadd(1, kt[3] + d0 * bs * 2, bs * 4); _tile_dpbf16ps(5, 0, 1); }
+    if constexpr (NT == 1) {
+      _tile_zero(4); _tile_zero(5); _tile_zero(6); _tile_zero(7);
+      for (int64_t d0 = 0; d0 < D2; d0 += 16) {
+        _tile_loadd(0, qp + d0, D2 * 4);
+        if (used[0]) { _tile_loadd(2, kt[0] + d0 * bs * 2, bs * 4); _tile_dpbf16ps(4, 0, 2); }
+        if (used[1]) { _tile_loadd(3, kt[1] + d0 * bs * 2, bs * 4); _tile_dpbf16ps(5, 0, 3); }
+        if (used[2]) { _tile_loadd(2, kt[2] + d0 * bs * 2, bs * 4); _tile_dpbf16ps(6, 0, 2); }
+        if (used[3]) { _tile_loadd(3, kt[3] + d0 * bs * 2, bs * 4); _tile_dpbf16ps(7, 0, 3); }
+      }
+      if (used[0]) _tile_stored(4, s[0][0], 64);
+      if (used[1]) _tile_stored(5, s[0][1], 64);
+      if (used[2]) _tile_stored(6, s[0][2], 64);
+      if (used[3]) _tile_stored(7, s[0][3], 64);
+    } else {
+      for (int j = 0; j < P; j += 2) {  // two pieces for both row tiles at a time
+        if (!used[j] && !used[j + 1]) continue;
+        _tile_zero(4); _tile_zero(5); _tile_zero(6); _tile_zero(7);
+        for (int64_t d0 = 0; d0 < D2; d0 += 16) {
+          _tile_loadd(0, qp + d0, D2 * 4);
+          _tile_loadd(1, qp + 16 * D2 + d0, D2 * 4);
+          if (used[j]) { _tile_loadd(2, kt[j] + d0 * bs * 2, bs * 4); _tile_dpbf16ps(4, 0, 2); _tile_dpbf16ps(6, 1, 2); }
+          if (used[j + 1]) { _tile_loadd(3, kt[j + 1] + d0 * bs * 2, bs * 4); _tile_dpbf16ps(5, 0, 3); _tile_dpbf16ps(7, 1, 3); }
+        }
+        if (used[j]) { _tile_stored(4, s[0][j], 64); _tile_stored(6, s[1][j], 64); }
+        if (used[j + 1]) { _tile_stored(5, s[0][j + 1], 64); _tile_stored(7, s[1][j + 1], 64); }
+      }
     }
-    if (used[0]) _tile_stored(2, &s[0][0][0], 64);
-    if (used[1]) _tile_stored(3, &s[1][0][0], 64);
-    if (used[2]) _tile_stored(4, &s[2][0][0], 64);
-    if (used[3]) _tile_stored(5, &s[3][0][0], 64);
     if (waiting) values(pending);
     compiler_fence();
-    // The online softmax step: each row's max over the span and its e = 2^(x - max), then the rescales
-    // 2^(max_old - max) in one vector (lanes are rows) for the sums.
+    // Each row's e = 2^(x - m) for its keys (0 on the rest, and on pieces no row has, which a value tile
+    // may still load), after moving m if a score passed it by more than kSlack.
     // A row that owns the whole span (most spans of a long context) has no lanes to mask and no -inf.
     auto softmax_row = [&]<bool Whole>(int r) {
+      const int t = r / 16, i = r % 16;
       __m512 x[P];
       __m512 top = _mm512_set1_ps(-inf);
       for (int j = 0; j < P; ++j) {
-        x[j] = _mm512_load_ps(s[j][r]);
+        if (!Whole && !used[j]) continue;
+        x[j] = _mm512_load_ps(s[t][j][i]);
         if constexpr (!Whole) x[j] = _mm512_mask_blend_ps(__mmask16(own[r] >> (kPiece * j)), _mm512_set1_ps(-inf), x[j]);
         top = _mm512_max_ps(top, x[j]);
       }
-      const float m_new = std::max(m[r], _mm512_reduce_max_ps(top));
-      shift[r] = own[r] ? m[r] - m_new : 0.0f;
-      m[r] = m_new;
-      __m512 sum = _mm512_setzero_ps();
+      __m512 sum = _mm512_load_ps(l[r]);
+      if (_mm512_cmp_ps_mask(top, _mm512_set1_ps(m[r] + kSlack), _CMP_GT_OQ)) {
+        const float m_new = _mm512_reduce_max_ps(top);
+        if (m[r] > -inf) {  // before its first keys, a row's sums are zero
+          const __m512 alpha = exp2_16<true>(_mm512_set1_ps(m[r] - m_new));
+          sum = _mm512_mul_ps(sum, alpha);
+          for (int64_t c = 0; c < DT; ++c) {
+            float* a = acc + ((t * DT + c) * 16 + i) * 16;
+            _mm512_storeu_ps(a, _mm512_mul_ps(_mm512_loadu_ps(a), alpha));
+          }
+        }
+        m[r] = m_new;
+      }
+      c10::BFloat16* e_row = ep[cur][t][i];
       for (int j = 0; j < P; ++j) {
-        if (!Whole && !used[j]) {  // a deep value tile may still load this piece's e
-          _mm256_store_si256(reinterpret_cast<__m256i*>(ep[cur][r] + 8 * j), _mm256_setzero_si256());
+        if (!Whole && !used[j]) {
+          _mm256_store_si256(reinterpret_cast<__m256i*>(e_row + kPiece * j), _mm256_setzero_si256());
           continue;
         }
-        __m512 e = exp2_16<Whole>(_mm512_sub_ps(x[j], _mm512_set1_ps(m_new)));
+        __m512 e = exp2_16<Whole>(_mm512_sub_ps(x[j], _mm512_set1_ps(m[r])));
         if constexpr (!Whole) e = _mm512_maskz_mov_ps(__mmask16(own[r] >> (kPiece * j)), e);
         sum = _mm512_add_ps(sum, e);
-        _mm256_store_si256(reinterpret_cast<__m256i*>(ep[cur][r] + 8 * j), (__m256i)_mm512_cvtneps_pbh(e));
+        _mm256_store_si256(reinterpret_cast<__m256i*>(e_row + kPiece * j), (__m256i)_mm512_cvtneps_pbh(e));
       }
-      _mm512_store_ps(sums[r], sum);
+      _mm512_store_ps(l[r], sum);
     };
     for (int r = 0; r < R; ++r) {
       if (own[r] == ~0ull) softmax_row.template operator()<true>(r);
       else softmax_row.template operator()<false>(r);
     }
-    _mm512_store_ps(alpha[cur], exp2_16(_mm512_load_ps(shift)));
-    for (int r = 0; r < R; ++r)
-      _mm512_store_ps(l[r], _mm512_fmadd_ps(_mm512_load_ps(l[r]), _mm512_set1_ps(alpha[cur][r]), _mm512_load_ps(sums[r])));
     // Value tiles: keys outside every row's span are zeroed in a copy of V.
     Values next;
-    for (int j = 0; j < Pv; ++j) {
-      const uint32_t in = deep ? uint32_t(any >> (2 * kPiece * j)) : used[j];
-      const uint32_t all = deep ? ~0u : 0xFFFFu;
+    next.buf = cur;
+    for (int j = 0; j < KT; ++j) {
+      const int64_t at = base + kKeyTile * j;
+      const uint32_t in = uint32_t(any >> (kKeyTile * j));
       next.used[j] = in;
-      next.v[j] = v[deep ? 2 * j : j];
-      if (!in || in == all) continue;
-      uint32_t* copy = vz + (cur * P + j * keys / kPiece) * 8 * D;
-      for (int64_t p = 0; p < keys / 2; ++p) {
+      if (!in) continue;
+      next.v[j] = reinterpret_cast<const uint32_t*>(values_of(at / bs) + at % bs * D);
+      if (in == ~0u) continue;
+      uint32_t* copy = vz + (cur * KT + j) * kKeyTile / 2 * D;
+      for (int64_t p = 0; p < kKeyTile / 2; ++p) {
         const uint32_t keep = ((in >> 2 * p) & 1 ? 0xFFFFu : 0u) | ((in >> (2 * p + 1)) & 1 ? 0xFFFF0000u : 0u);
         const __m512i k = _mm512_set1_epi32(int(keep));
         for (int64_t d = 0; d < D; d += 16)
@@ -1125,21 +1155,17 @@ void attend_amx(const Layout& L, const float* q, const c10::BFloat16* kv, float*
       }
       next.v[j] = copy;
     }
-    if (waiting) rescale(pending);
-    next.e = ep[cur][0], next.alpha = alpha[cur];
     pending = next;
     waiting = true;
     cur ^= 1;
   }
-  if (waiting) {
-    values(pending);
-    rescale(pending);
-  }
+  if (waiting) values(pending);
   for (int r = 0; r < R; ++r) {
+    const int t = r / 16, i = r % 16;
     float* out_r = out + (rows[r].t * H + rows[r].h) * D;
-    const float inv = 1.0f / (hsum(_mm256_load_ps(l[r])) + hsum(_mm256_load_ps(l[r] + 8)));
-    for (int64_t d = 0; d < D; d += 16)
-      _mm512_storeu_ps(out_r + d, _mm512_mul_ps(_mm512_loadu_ps(acc + r * D + d), _mm512_set1_ps(inv)));
+    const __m512 inv = _mm512_set1_ps(1.0f / (hsum(_mm256_load_ps(l[r])) + hsum(_mm256_load_ps(l[r] + 8))));
+    for (int64_t c = 0; c < DT; ++c)
+      _mm512_storeu_ps(out_r + 16 * c, _mm512_mul_ps(_mm512_loadu_ps(acc + ((t * DT + c) * 16 + i) * 16), inv));
   }
 }
 #else
@@ -1243,7 +1269,7 @@ at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& kv_cache, c
   // Groups of consecutive rows of one request, as many as fill a pass with the group's heads:
   // (request, first row, rows), request by request (request b's are [first[b], first[b + 1])).
   const bool tiles = pairs && amx_attention(L.bs, D);
-  const int64_t pass_rows = tiles ? 16 : kPassRows;
+  const int64_t pass_rows = tiles ? 32 : kPassRows;
   const int64_t span = std::max<int64_t>(1, pass_rows / L.group);
   std::vector<std::array<int64_t, 3>> groups;
   std::vector<int64_t> first(B + 1), requests;
@@ -1301,7 +1327,8 @@ at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& kv_cache, c
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
           if constexpr (std::is_same_v<KV, c10::BFloat16> && decltype(in_pairs)::value)
             if (tiles) {
-              attend_amx(L, qp, kv, op, b, rows.data() + r0, int(pass), kvh, H, alone && r0 == 0, work.data());
+              (pass > 16 ? attend_amx<2> : attend_amx<1>)(L, qp, kv, op, b, rows.data() + r0, int(pass), kvh, H,
+                                                          alone && r0 == 0, work.data());
               continue;
             }
 #endif
