@@ -1265,7 +1265,10 @@ at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& kv_cache, c
            block_table.size(1), kv_cache.size(2), KVH, D, H / KVH, float(scale), sliding_window};
   TORCH_CHECK(!pairs || (kBf16Dot && kv_cache.scalar_type() == at::kBFloat16 && D % 2 == 0),
               "kiln_cpu::paged_attention: pairs need a bfloat16 cache, an even head dim and AVX512-BF16");
-  at::Tensor out = at::zeros_like(q);
+  // Every request row is written below; only the padding rows past the last request need zeros.
+  at::Tensor out = at::empty(q.sizes(), q.options());
+  const int64_t used_rows = std::min<int64_t>(query_start_loc.data_ptr<int32_t>()[seq_lens.size(0)], T);
+  out.narrow(0, used_rows, T - used_rows).zero_();
   // Groups of consecutive rows of one request, as many as fill a pass with the group's heads:
   // (request, first row, rows), request by request (request b's are [first[b], first[b + 1])).
   const bool tiles = pairs && amx_attention(L.bs, D);
