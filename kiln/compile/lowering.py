@@ -157,7 +157,11 @@ class Lowering:
         if d[-1] > 1:
             first = next(s for s in d if s > 1)
             out.append((Bucket("decode", first), f"decode 2..{d[-1]}"))
-        out.append((Bucket("tokens", t[0]), f"mixed 2..{t[-1]} tokens"))
+        # A dynamic graph's kernels are built for the size it was traced at: Inductor runs a loop on one
+        # thread where that size's work looks too small to split. Mixed steps trace at their largest, so
+        # a prefill's RoPE is split across threads; decode steps trace small (split, their kernels'
+        # thread start-ups cost a batch-64 step more than they saved: BENCHMARKS.md, twelfth steps).
+        out.append((Bucket("tokens", t[-1]), f"mixed 2..{t[-1]} tokens"))
         return out
 
     def __call__(self, num_tokens: int, decode_only: bool, *args: Any) -> torch.Tensor:
