@@ -4,7 +4,8 @@ reuses one layer's cache for all 30 (K/V from cache), the way a single-call micr
 `--prefill N [N ...]` times a causal prefill of N tokens instead, in 2,048-token chunks as the engine
 runs it, on a bfloat16 cache (K and V in pairs where the kernels have AVX512-BF16): one layer's calls,
 times 30. `--dtype bfloat16` runs the decode steps on a bfloat16 cache (in pairs, likewise) instead of
-float16. `--block-size` sets the cache's (16, kiln's default; from 32, AMX value tiles take 32 keys).
+float16. `--block-size` sets the cache's (32, kiln's CPU default: AMX passes need blocks of 32; blocks of 16
+take the AVX512-BF16 kernel).
 
     .venv/bin/python perf/cpu_attention.py [--hot] [--dtype float16|bfloat16] [--prefill 1900 7900]
 """
@@ -30,7 +31,7 @@ def main() -> None:
     ap.add_argument("--hot", action="store_true")
     ap.add_argument("--prefill", type=int, nargs="+", default=[])
     ap.add_argument("--dtype", choices=["float16", "bfloat16"], default="float16", help="decode's cache")
-    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--block-size", type=int, default=32)
     args = ap.parse_args()
     native.load()
     block = args.block_size
