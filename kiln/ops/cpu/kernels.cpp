@@ -1267,7 +1267,7 @@ at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& kv_cache, c
               "kiln_cpu::paged_attention: pairs need a bfloat16 cache, an even head dim and AVX512-BF16");
   // Every request row is written below; only the padding rows past the last request need zeros.
   at::Tensor out = at::empty(q.sizes(), q.options());
-  const int64_t used_rows = std::min<int64_t>(query_start_loc.data_ptr<int32_t>()[seq_lens.size(0)], T);
+  const int64_t used_rows = std::min<int64_t>(L.qsl[B], T);
   out.narrow(0, used_rows, T - used_rows).zero_();
   // Groups of consecutive rows of one request, as many as fill a pass with the group's heads:
   // (request, first row, rows), request by request (request b's are [first[b], first[b + 1])).
