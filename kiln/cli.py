@@ -72,6 +72,7 @@ SERVE_FLAGS: dict[str, tuple[str, str, dict]] = {
     "--tensor-parallel-size": ("parallel", "tensor_parallel_size", {"type": int}),
     "--compile-mode": ("compile", "mode", {"choices": ["auto", "eager", "compiled", "cudagraph"]}),
     "--deterministic": ("backend", "deterministic", {"action": "store_true", "help": "batch-invariant CUDA"}),
+    "--cpu-threads-bind": ("backend", "cpu_threads_bind", {"help": "auto, nobind, or CPUs such as 0-3,8"}),
     "--compile-cache": ("compile", "cache_file", {"metavar": "FILE", "help": "a kiln warmup --export file"}),
     "--max-n-sequences": ("server", "max_n_sequences", {"type": int, "help": "largest n a request may ask"}),
     "--max-stop-strings": ("server", "max_stop_strings", {"type": int}),
@@ -111,9 +112,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     from kiln.api.server import run
     from kiln.models.loader import resolve_model
+    from kiln.ops.cpu import threads
 
     try:
         resolve_model(config.model.model)  # a missing model folder fails here, before the port opens
+        threads.resolve(config.backend.cpu_threads_bind, own_thread=True)  # so does a CPU it may not use
     except (OSError, ValueError) as e:
         parser.exit(1, f"{parser.prog}: error: {e}\n")
     return run(config, args.started)

@@ -83,6 +83,11 @@ class BackendConfig(_Section):
     # so a request's output does not depend on its batch, the prefix cache or chunked prefill; slower. The
     # CPU backend is deterministic regardless.
     deterministic: bool = False
+    # CPU: the CPUs the engine's OpenMP threads are pinned to, one each (vLLM's VLLM_CPU_OMP_THREADS_BIND):
+    # "auto" pins the server's engine thread one per physical core (LLM offline: not at all, as pinning the
+    # caller's thread pins whatever it starts later), a list such as "0-3,8" pins wherever the engine runs,
+    # with that many threads, and "nobind" never pins.
+    cpu_threads_bind: Annotated[str, Meta(pattern=r"^(auto|nobind|\d+(-\d+)?(,\d+(-\d+)?)*)$")] = "auto"
 
 
 class EngineConfig(_Section):

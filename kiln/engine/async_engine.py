@@ -150,7 +150,7 @@ class AsyncEngine:
         # Every torch call (loading, warmup, steps) stays on this one thread: a second thread's OpenMP
         # pool makes libgomp throttle its spin-waits, which cost ~20% of decode speed on 2 cores.
         try:
-            engine = LLMEngine(config)
+            engine = LLMEngine(config, own_thread=True)
             engine.warmup()
         except Exception as e:
             self._loop.call_soon_threadsafe(self._resolve, None, e)

@@ -24,6 +24,7 @@ from kiln.engine.runner import ModelRunner
 from kiln.engine.scheduler import Scheduler
 from kiln.models.loader import inspect_model, load_model, resolve_model
 from kiln.ops.backend import choose_backend
+from kiln.ops.cpu import threads
 from kiln.paths import cache_root
 from kiln.platform import resolve_device
 from kiln.sampling_params import SamplingParams
@@ -38,7 +39,9 @@ def load_tokenizer(config: EngineConfig, model_path: Path) -> Any:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, own_thread: bool = False) -> None:
+        """own_thread: the engine runs on a thread of kiln's own (the server's), which
+        backend.cpu_threads_bind "auto" pins."""
         config.check_supported()
         clock = time.perf_counter()
         path = resolve_model(config.model.model)
@@ -47,6 +50,11 @@ class LLMEngine:
         self.config = config
         point_caches(cache_root())
         b = config.backend
+        # Pinned once warm (Inductor's compile workers, started by this thread, keep every core); the
+        # thread count is set now, as Inductor writes it into the code it generates.
+        self.pinned = threads.resolve(b.cpu_threads_bind, own_thread) if device.type == "cpu" else None
+        if self.pinned is not None:
+            torch.set_num_threads(len(self.pinned))
         _, dims, dtype = inspect_model(path, config.model.dtype, device)
         self.max_model_len = config.model.max_model_len or dims.max_positions
         if self.max_model_len > dims.max_positions:
@@ -112,6 +120,8 @@ class LLMEngine:
             log.info("CUDA graphs: %d captured in %.2f s, pool %.2f GiB", len(graphs.captured), capture,
                      torch.cuda.memory_reserved(self.runner.device) / 2**30 - reserved)  # fmt: skip
         self.timings["sampler"] = sampler
+        if self.pinned is not None:
+            threads.bind(self.pinned)
         return reports
 
     @property

@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import bisect
 import concurrent.futures
+import functools
 import json
 import logging
+import os
 import re
 import threading
 import time
@@ -179,7 +181,12 @@ class Grammars:
         self._lock = threading.Lock()
         self._entries: OrderedDict[Constraint, _Entry] = OrderedDict()
         self._pending: set[Future[Any]] = set()
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="kiln-grammar")
+        # The engine's thread may be pinned to one CPU once warm (backend.cpu_threads_bind); the grammar
+        # thread, started from it later, takes back the CPUs it has now.
+        initializer = None
+        if hasattr(os, "sched_setaffinity"):
+            initializer = functools.partial(os.sched_setaffinity, 0, os.sched_getaffinity(0))
+        self._pool = ThreadPoolExecutor(1, "kiln-grammar", initializer)
         self._compiler: Future[xgr.GrammarCompiler] | None = None
         self._load_tokenizer, self._stop_ids = load_tokenizer, sorted(stop_ids)
         self._bitmask: torch.Tensor | None = None  # the engine thread's, reused every step

@@ -15,6 +15,8 @@
 #include <torch/library.h>
 
 #include <immintrin.h>
+#include <omp.h>
+#include <sched.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
@@ -23,7 +25,9 @@
 #include <type_traits>
 #include <utility>
 #include <cmath>
+#include <cerrno>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <vector>
 
@@ -1440,6 +1444,24 @@ at::Tensor argmax(const at::Tensor& x_in) {
   return out;
 }
 
+// Pins the calling thread's OpenMP team, thread i to cpus[i]. libgomp keeps a team's threads for the next
+// parallel regions of the same thread, so the pinning holds for every later kernel and Inductor loop.
+void bind_threads(c10::IntArrayRef cpus) {
+  const int n = int(cpus.size());
+  TORCH_CHECK(n > 0, "bind_threads: no CPUs");
+  std::vector<int> failed(n, 0);
+#pragma omp parallel num_threads(n)
+  {
+    const int i = omp_get_thread_num();
+    cpu_set_t set;
+    CPU_ZERO(&set);
+    CPU_SET(int(cpus[i]), &set);
+    failed[i] = sched_setaffinity(0, sizeof(set), &set) != 0 ? errno : 0;
+  }
+  for (int i = 0; i < n; ++i)
+    TORCH_CHECK(failed[i] == 0, "cannot pin a thread to CPU ", cpus[i], ": ", std::strerror(failed[i]));
+}
+
 }  // namespace
 
 TORCH_LIBRARY(kiln_cpu, m) {
@@ -1447,6 +1469,7 @@ TORCH_LIBRARY(kiln_cpu, m) {
   m.def("gate_up(Tensor x, Tensor w, int n, Tensor? bias) -> Tensor");
   m.def("bf16_dot() -> bool", &bf16_dot);  // whether linear takes pair-packed bfloat16 weights here
   m.def("amx() -> bool", &amx);              // whether it multiplies them with AMX tiles
+  m.def("bind_threads(int[] cpus) -> ()", &bind_threads);
   m.def("paged_attention(Tensor q, Tensor kv_cache, Tensor query_start_loc, Tensor seq_lens, "
         "Tensor block_table, float scale, int sliding_window, bool pairs) -> Tensor");
   m.def("write_kv(Tensor k, Tensor v, Tensor(a!) kv_cache, Tensor slot_mapping, bool pairs) -> ()");
