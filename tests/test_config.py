@@ -38,7 +38,10 @@ def test_flags_override_the_file(tmp_path: Path) -> None:
             "scheduler:\n  long_prefill_token_threshold: -1\n",
             "key 'scheduler.long_prefill_token_threshold': Expected `int` >= 0",
         ),
-        ("backend:\n  cpu_threads_bind: all\n", "key 'backend.cpu_threads_bind': Expected `str` matching regex"),
+        (
+            "backend:\n  cpu_threads_bind: all\n",
+            "key 'backend.cpu_threads_bind': Expected `str` matching regex",
+        ),
         ("- 1\n", "expected a mapping of sections, got list"),
         ("model: {\n", "not valid YAML"),
     ],
@@ -63,7 +66,10 @@ def test_missing_file() -> None:
         (["--gpu-memory-utilization", "1.5"], "key 'cache.gpu_memory_utilization': Expected `float` <= 1"),
         (["--max-num-seqs", "0"], "key 'scheduler.max_num_seqs': Expected `int` >= 1"),
         (["--model", "/no/such/folder"], "model folder '/no/such/folder' does not exist"),
-        (["--cpu-threads-bind", "0,99999"], "backend.cpu_threads_bind '0,99999': CPU 99999 is not one of this"),
+        (
+            ["--cpu-threads-bind", "0,99999"],
+            "backend.cpu_threads_bind '0,99999': CPU 99999 is not one of this",
+        ),
     ],
 )
 def test_serve_refuses_before_binding(flags: list[str], message: str, capsys: pytest.CaptureFixture) -> None:
