@@ -2,8 +2,8 @@
 
 Unpinned, Linux may put both of the team's threads on one core whenever a third thread wants a core (a
 grammar compiling, the event loop): every barrier then waits out a spin-wait, and an 11 ms decode step
-took up to 0.7 s (BENCHMARKS.md, "pinned threads"). Pinned, the third thread shares a core and each step
-slows by its share at most."""
+took up to 0.7 s (BENCHMARKS.md, "A grammar compiling beside running streams"). Pinned, the third thread
+shares a core and each step slows by its share at most."""
 
 from __future__ import annotations
 
