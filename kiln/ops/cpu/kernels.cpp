@@ -1449,7 +1449,7 @@ at::Tensor argmax(const at::Tensor& x_in) {
 void bind_threads(c10::IntArrayRef cpus) {
   const int n = int(cpus.size());
   TORCH_CHECK(n > 0, "bind_threads: no CPUs");
-  std::vector<int> failed(n, 0);
+  std::vector<int> failed(n, -1);  // errno by thread; -1: the team had no thread i (OMP_THREAD_LIMIT)
 #pragma omp parallel num_threads(n)
   {
     const int i = omp_get_thread_num();
@@ -1458,8 +1458,10 @@ void bind_threads(c10::IntArrayRef cpus) {
     CPU_SET(int(cpus[i]), &set);
     failed[i] = sched_setaffinity(0, sizeof(set), &set) != 0 ? errno : 0;
   }
-  for (int i = 0; i < n; ++i)
+  for (int i = 0; i < n; ++i) {
+    TORCH_CHECK(failed[i] >= 0, "cannot pin ", n, " threads: OpenMP gave fewer");
     TORCH_CHECK(failed[i] == 0, "cannot pin a thread to CPU ", cpus[i], ": ", std::strerror(failed[i]));
+  }
 }
 
 }  // namespace
