@@ -1294,18 +1294,27 @@ at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& kv_cache, c
   // land on the last thread. So requests go in the order of their longest (last) group, and within one,
   // its groups from the last. A request of several groups (a prefill chunk) takes its kv heads one after
   // another, each over all its groups, so a thread's next item reads the K/V its last one left in L2 (a
-  // 7,900-token context's, one head's, fills it); a decode's kv heads follow each other in memory.
-  const int64_t split = n * KVH < 4 * at::get_num_threads() ? L.group : 1;
+  // 7,900-token context's, one head's, fills it). Where there are items enough, a request of one group (a
+  // decode) is one item over all its kv heads: a thread then reads each block's heads in address order,
+  // which the hardware's streamer follows (batch-64 decode attention about 8% faster than head by head).
+  const int64_t threads = at::get_num_threads();
+  const int64_t split = n * KVH < 4 * threads ? L.group : 1;
+  const bool whole = n >= 4 * threads;
   const int64_t per = L.group / split;
   auto context = [&](int64_t g) { return offset(L, groups[g][0]) + groups[g][1] + groups[g][2]; };
   std::stable_sort(requests.begin(), requests.end(),
                    [&](int64_t x, int64_t y) { return context(first[x + 1] - 1) > context(first[y + 1] - 1); });
-  std::vector<std::array<int64_t, 3>> order;
+  std::vector<std::array<int64_t, 4>> order;  // (group, first kv head, last kv head + 1, part)
   order.reserve(n * KVH * split);
-  for (int64_t b : requests)
+  for (int64_t b : requests) {
+    if (whole && first[b + 1] - first[b] == 1) {
+      order.push_back({first[b], 0, KVH, 0});
+      continue;
+    }
     for (int64_t kvh = 0; kvh < KVH; ++kvh)
       for (int64_t g = first[b + 1] - 1; g >= first[b]; --g)
-        for (int64_t part = 0; part < split; ++part) order.push_back({g, kvh, part});
+        for (int64_t part = 0; part < split; ++part) order.push_back({g, kvh, kvh + 1, part});
+  }
   const float* qp = q.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const int64_t items = int64_t(order.size());
@@ -1318,28 +1327,30 @@ at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& kv_cache, c
       std::vector<Row> rows(span * L.group);
 #pragma omp for schedule(dynamic, 1)
       for (int64_t i = 0; i < items; ++i) {
-        const auto [gi, kvh, part] = order[i];
+        const auto [gi, kvh0, kvh1, part] = order[i];
         const auto [b, t0, n_rows] = groups[gi];
         const int64_t g0 = part * per, g1 = g0 + per;
         // A request of one group (a decode) reads its blocks once, so its first pass prefetches them. A
         // longer chunk's groups share its blocks, which stay in L2 from one group to the next: there the
         // prefetches were a third of the kernel's time.
         const bool alone = L.qsl[b + 1] - L.qsl[b] <= span;
-        // The item's rows, position by position, attended pass_rows at a time.
-        int64_t count = 0;
-        for (int64_t r = 0; r < n_rows; ++r)
-          for (int64_t g = g0; g < g1; ++g) rows[count++] = {t0 + r, kvh * L.group + g};
-        for (int64_t r0 = 0; r0 < count; r0 += pass_rows) {
-          const int64_t pass = std::min<int64_t>(pass_rows, count - r0);
+        for (int64_t kvh = kvh0; kvh < kvh1; ++kvh) {
+          // The item's rows, position by position, attended pass_rows at a time.
+          int64_t count = 0;
+          for (int64_t r = 0; r < n_rows; ++r)
+            for (int64_t g = g0; g < g1; ++g) rows[count++] = {t0 + r, kvh * L.group + g};
+          for (int64_t r0 = 0; r0 < count; r0 += pass_rows) {
+            const int64_t pass = std::min<int64_t>(pass_rows, count - r0);
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-          if constexpr (std::is_same_v<KV, c10::BFloat16> && decltype(in_pairs)::value)
-            if (tiles) {
-              (pass > 16 ? attend_amx<2> : attend_amx<1>)(L, qp, kv, op, b, rows.data() + r0, int(pass), kvh, H,
-                                                          alone && r0 == 0, work.data());
-              continue;
-            }
+            if constexpr (std::is_same_v<KV, c10::BFloat16> && decltype(in_pairs)::value)
+              if (tiles) {
+                (pass > 16 ? attend_amx<2> : attend_amx<1>)(L, qp, kv, op, b, rows.data() + r0, int(pass), kvh, H,
+                                                            alone && r0 == 0, work.data());
+                continue;
+              }
 #endif
-          passes[pass - 1](L, qp, kv, op, b, rows.data() + r0, kvh, H, alone && r0 == 0, work.data());
+            passes[pass - 1](L, qp, kv, op, b, rows.data() + r0, kvh, H, alone && r0 == 0, work.data());
+          }
         }
       }
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
