@@ -47,7 +47,7 @@ class SchedulerConfig(_Section):
     # vLLM's chunked-prefill fairness knob: no request prefills more than this many tokens in a step, so a
     # short prompt that arrives while a long one is chunked starts in the next step, beside the long one's
     # chunk. null: on the CPU, where a long prompt's late chunks cost most (BENCHMARKS.md, fairness), 128,
-    # or 512 where kiln's kernels multiply on AMX tiles (a chunk costs a fraction as much there); no limit
+    # or 1024 where kiln's kernels multiply on AMX tiles (a chunk costs a fraction as much there); no limit
     # on a GPU, as vLLM's default; 0: no limit.
     long_prefill_token_threshold: Annotated[int, Meta(ge=0)] | None = None
 
@@ -55,7 +55,7 @@ class SchedulerConfig(_Section):
         """The most tokens one request prefills in a step; tiles: the CPU kernels run on AMX tiles."""
         threshold = self.long_prefill_token_threshold
         if threshold is None:
-            threshold = (512 if tiles else 128) if device_type == "cpu" else 0
+            threshold = (1024 if tiles else 128) if device_type == "cpu" else 0
         return threshold or self.max_num_batched_tokens
 
 

@@ -1,7 +1,7 @@
 """Fairness offline: a short prompt that arrives while a long one is being prefilled. The long prompt
 (random token ids, one output token) starts; `--after` seconds later a 4-token prompt is added; prints
 when each got its first token. The threshold is vLLM's knob, passed as an engine option (default: kiln's,
-128 on the CPU, 512 on AMX tiles; 0: no limit).
+128 on the CPU, 1024 on AMX tiles; 0: no limit).
 
     .venv/bin/python perf/fairness.py --tokens 7900 [--after 2] [--long-prefill-token-threshold 0]
 """

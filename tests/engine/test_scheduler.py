@@ -150,7 +150,7 @@ def test_many_short_prompts_fill_the_step_beside_a_chunked_long_one() -> None:
 
 def test_default_chunk_is_128_on_the_cpu_and_the_budget_on_a_gpu() -> None:
     assert SchedulerConfig().prefill_chunk("cpu") == 128
-    assert SchedulerConfig().prefill_chunk("cpu", tiles=True) == 512
+    assert SchedulerConfig().prefill_chunk("cpu", tiles=True) == 1024
     assert SchedulerConfig().prefill_chunk("cuda") == 2048
     assert SchedulerConfig(long_prefill_token_threshold=0).prefill_chunk("cpu") == 2048
     assert SchedulerConfig(long_prefill_token_threshold=100).prefill_chunk("cuda") == 100
