@@ -10,13 +10,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 from kiln.ops.cpu.threads import one_per_core, parse_cpus
 from tests.api.server import Server
 
 ALLOWED = os.sched_getaffinity(0)
-needs_two = pytest.mark.skipif(len(ALLOWED) < 2, reason="needs 2 CPUs to tell a pinned thread from the rest")
 
 
 def _masks(pid: int) -> list[list[int]]:
@@ -33,15 +30,18 @@ def test_parse_cpus() -> None:
     assert parse_cpus("5") == [5]
 
 
-@needs_two
 def test_server_pins_its_engine_threads_one_per_core(server: Server) -> None:
+    """With one CPU, every thread's mask is that CPU, so a pinned thread cannot be told from the rest: the
+    log and the masks are checked all the same."""
     logged = re.search(r"OpenMP threads pinned to CPUs \[([\d, ]+)\]", server.output())
     assert logged, "the server logs where it pinned its threads"
     cpus = [int(c) for c in logged.group(1).split(",")]
-    assert cpus == one_per_core(ALLOWED)[: len(cpus)] and len(cpus) >= 2
+    cores = one_per_core(ALLOWED)
+    assert cpus == cores[: len(cpus)] and len(cpus) >= min(2, len(cores))
     masks = _masks(server.proc.pid)
-    assert sorted(m for m in masks if len(m) == 1) == [[c] for c in sorted(cpus)]
-    assert all(len(m) == 1 or set(m) == ALLOWED for m in masks)
+    assert all(m in [[c] for c in cpus] or set(m) == ALLOWED for m in masks)
+    if len(ALLOWED) > 1:  # exactly the team's threads hold one CPU each
+        assert sorted(m for m in masks if len(m) == 1) == [[c] for c in sorted(cpus)]
 
 
 SCRIPT = """
@@ -59,7 +59,6 @@ print(json.dumps([before, after_auto, free_tokens, sorted(os.sched_getaffinity(0
 """
 
 
-@needs_two
 def test_offline_pins_the_caller_only_when_given_cpus(default_model_dir: Path) -> None:
     cpu = max(ALLOWED)
     run = subprocess.run(

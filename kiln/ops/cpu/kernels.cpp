@@ -1286,7 +1286,7 @@ at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& kv_cache, c
   }
   first[B] = int64_t(groups.size());
   const int64_t n = first[B];
-  // Work items: (group, kv head, part), a kv head's query heads together, or one at a time (parts) when
+  // Work items: (group, kv heads, part), a kv head's query heads together, or one at a time (parts) when
   // that is too few items to keep every thread busy (a decode of one sequence). Threads take them one at
   // a time, the longest contexts first: split evenly, a causal prefill's later (longer) rows would all
   // land on the last thread. So requests go in the order of their longest (last) group, and within one,
@@ -1319,7 +1319,7 @@ at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& kv_cache, c
   auto run = [&](auto* kv, auto in_pairs) {
     using KV = std::remove_const_t<std::remove_pointer_t<decltype(kv)>>;
     static constexpr auto passes = attend_table<KV, decltype(in_pairs)::value>(std::make_index_sequence<kPassRows>{});
-#pragma omp parallel num_threads(int(std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), items))))
+#pragma omp parallel num_threads(int(std::max<int64_t>(1, std::min<int64_t>(threads, items))))
     {
       std::vector<float> work(std::max<int64_t>(2 * kPassRows, kTileWork) * D);  // a pass's scratch
       std::vector<Row> rows(span * L.group);
