@@ -110,7 +110,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     # Tokenizing runs on one worker thread; the tokenizers library's own thread pool would compete with
     # the engine's OpenMP threads for the cores.
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    from kiln.api.server import run
+    from kiln.api.server import listen, run
     from kiln.models.loader import resolve_model
     from kiln.ops.cpu import threads
 
@@ -119,7 +119,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
         threads.resolve(config.backend.cpu_threads_bind, own_thread=True)  # so does a CPU it may not use
     except (OSError, ValueError) as e:
         parser.exit(1, f"{parser.prog}: error: {e}\n")
-    return run(config, args.started)
+    s = config.server
+    try:
+        sock = listen(s.host, s.port)
+    except OSError as e:
+        parser.exit(1, f"{parser.prog}: error: cannot listen on {s.host}:{s.port}: {e.strerror or e}\n")
+    return run(config, sock, args.started)
 
 
 def cmd_warmup(args: argparse.Namespace) -> int:

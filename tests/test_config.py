@@ -1,3 +1,4 @@
+import socket
 from pathlib import Path
 
 import pytest
@@ -75,3 +76,14 @@ def test_missing_file() -> None:
 def test_serve_refuses_before_binding(flags: list[str], message: str, capsys: pytest.CaptureFixture) -> None:
     assert main(["serve", *flags]) != 0
     assert message in capsys.readouterr().err
+
+
+def test_serve_port_in_use_is_a_clear_error(capsys: pytest.CaptureFixture) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert main(["serve", "--host", "127.0.0.1", "--port", str(port)]) == 1
+    err = capsys.readouterr().err
+    assert f"error: cannot listen on 127.0.0.1:{port}: Address already in use" in err
+    assert "Traceback" not in err

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import socket
 
 from hypercorn.asyncio import serve as hypercorn_serve
 from hypercorn.config import Config as HypercornConfig
@@ -18,13 +19,28 @@ log = logging.getLogger(__name__)
 _CLOSE_GRACE_S = 5.0
 
 
-async def serve(config: ServeConfig, started: float | None = None) -> int:
+def listen(host: str, port: int) -> socket.socket:
+    """The server's socket, bound before anything loads (as vLLM binds first): a port in use is an OSError
+    here, in a second, and never a traceback after the engine has started loading."""
+    host = host.strip("[]")
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+async def serve(config: ServeConfig, sock: socket.socket, started: float | None = None) -> int:
     app = App(config, started)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, app.begin_drain)
     hc = HypercornConfig()
-    hc.bind = [f"{config.server.host}:{config.server.port}"]
+    hc.bind = [f"fd://{sock.detach()}"]  # Hypercorn owns the socket from here
     hc.graceful_timeout = _CLOSE_GRACE_S
     hc.accesslog = logging.getLogger("kiln.access")
     hc.errorlog = logging.getLogger("hypercorn.error")
@@ -34,5 +50,5 @@ async def serve(config: ServeConfig, started: float | None = None) -> int:
     return app.exit_code
 
 
-def run(config: ServeConfig, started: float | None = None) -> int:
-    return asyncio.run(serve(config, started))
+def run(config: ServeConfig, sock: socket.socket, started: float | None = None) -> int:
+    return asyncio.run(serve(config, sock, started))
