@@ -20,18 +20,11 @@ _CLOSE_GRACE_S = 5.0
 
 
 def listen(host: str, port: int) -> socket.socket:
-    """The server's socket, bound before anything loads (as vLLM binds first): a port in use is an OSError
-    here, in a second, and never a traceback after the engine has started loading."""
-    host = host.strip("[]")
-    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        sock.bind((host, port))
-    except OSError:
-        sock.close()
-        raise
-    return sock
+    """The server's socket, bound by Hypercorn before anything loads (as vLLM binds first): a port in use
+    is an OSError here, in a second, and never a traceback after the engine has started loading."""
+    hc = HypercornConfig()
+    hc.bind = [f"{host}:{port}"]
+    return hc.create_sockets().insecure_sockets[0]
 
 
 async def serve(config: ServeConfig, sock: socket.socket, started: float | None = None) -> int:
