@@ -157,10 +157,11 @@ class Lowering:
         if d[-1] > 1:
             first = next(s for s in d if s > 1)
             out.append((Bucket("decode", first), f"decode 2..{d[-1]}"))
-        # A dynamic graph's kernels are built for the size it was traced at: Inductor runs a loop on one
-        # thread where that size's work looks too small to split. Mixed steps trace at their largest, so
-        # a prefill's RoPE is split across threads; decode steps trace small (split, their kernels'
-        # thread start-ups cost a batch-64 step more than they saved: BENCHMARKS.md, twelfth steps).
+        # Mixed steps share the decode 2.. graph (its warmup step finds it: "shared"), so Inductor sized its
+        # loops' threading for a decode's few rows, and runs a loop on one thread where that looks small.
+        # That keeps a decode's kernels off thread start-ups, which cost a batch-64 step more than they
+        # saved (BENCHMARKS.md, twelfth steps); RoPE, the one such loop that cost a prefill much, is kiln's
+        # own kernel on the CPU, split by the step's rows (kiln/ops/cpu/rotary.py).
         out.append((Bucket("tokens", t[-1]), f"mixed 2..{t[-1]} tokens"))
         return out
 

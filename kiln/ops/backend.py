@@ -82,8 +82,13 @@ class Backend:
         if self.kernels == "cpu":
             # float32 activations: the kernels widen 16-bit weights in registers and accumulate in float32,
             # or multiply bfloat16 weights natively where the CPU can.
+            from kiln.ops.cpu import rotary as cpu_rotary
+
             cpu = CpuMatmul(bf16_dot=cpu_native.bf16_dot(), amx=cpu_native.amx())
-            return dataclasses.replace(TORCH_KERNELS, name="cpu", matmul=cpu, activations=torch.float32)
+            rope = cpu_rotary.apply_rotary
+            return dataclasses.replace(
+                TORCH_KERNELS, name="cpu", apply_rotary=rope, matmul=cpu, activations=torch.float32
+            )
         return torch_kernels(device, dtype)
 
     def tiles(self, dtype: torch.dtype) -> bool:

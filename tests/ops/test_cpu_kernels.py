@@ -8,8 +8,10 @@ import torch
 from kiln.ops.activation import silu_and_mul
 from kiln.ops.attention import attention as reference_attention
 from kiln.ops.cpu import native
+from kiln.ops.cpu import rotary as cpu_rotary
 from kiln.ops.cpu.attention import from_standard, pair_layout, write_kv
 from kiln.ops.matmul import CpuMatmul
+from kiln.ops.rotary import apply_rotary, rope_cos_sin, rope_inv_freq
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -250,3 +252,20 @@ def test_argmax_is_torchs(vocab: int) -> None:
     strided = torch.randn(9, vocab + 3)[:, :vocab]
     for x in (logits, strided):
         assert torch.equal(torch.ops.kiln_cpu.argmax(x), x.argmax(dim=-1))
+
+
+@pytest.mark.parametrize(("tokens", "rotary_dim"), [(1, 64), (5, 32), (300, 64)])
+def test_rotary_is_the_references_bits(tokens: int, rotary_dim: int) -> None:
+    """kiln's RoPE gives the torch reference's bits for q and k taken as views of a fused qkv output, on
+    one thread (a decode's rows) or split across threads (a prefill's), with the head's tail past a partial
+    rotary dim passed through; a position past the table is an error, not a read past it."""
+    torch.manual_seed(0)
+    inv_freq, scaling = rope_inv_freq(rotary_dim, 10000.0, None)
+    cos_sin = rope_cos_sin(inv_freq, 4096, scaling)
+    qkv = torch.randn(tokens, 9 * 64 + 2 * 3 * 64)
+    q, k = qkv[:, : 9 * 64].view(tokens, 9, 64), qkv[:, 9 * 64 : 12 * 64].view(tokens, 3, 64)
+    positions = torch.randint(0, 4096, (tokens,))
+    ours, theirs = cpu_rotary.apply_rotary(positions, q, k, cos_sin), apply_rotary(positions, q, k, cos_sin)
+    assert torch.equal(ours[0], theirs[0]) and torch.equal(ours[1], theirs[1])
+    with pytest.raises(RuntimeError, match="position 4096 outside the table's 4096"):
+        cpu_rotary.apply_rotary(torch.full((tokens,), 4096), q, k, cos_sin)

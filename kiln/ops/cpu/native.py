@@ -85,6 +85,10 @@ def _register_fakes() -> None:
     def _(x: torch.Tensor, w: torch.Tensor, n: int, bias: torch.Tensor | None) -> torch.Tensor:
         return x.new_empty(x.shape[0], n, dtype=torch.bfloat16)
 
+    @torch.library.register_fake("kiln_cpu::rotary")
+    def _(positions, q, k, cos_sin):
+        return q.new_empty(q.shape), k.new_empty(k.shape)
+
     @torch.library.register_fake("kiln_cpu::write_kv")
     def _(k, v, kv_cache, slot_mapping, pairs):
         return None
