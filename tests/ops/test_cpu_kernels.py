@@ -254,11 +254,12 @@ def test_argmax_is_torchs(vocab: int) -> None:
         assert torch.equal(torch.ops.kiln_cpu.argmax(x), x.argmax(dim=-1))
 
 
-@pytest.mark.parametrize(("tokens", "rotary_dim"), [(1, 64), (5, 32), (300, 64)])
+@pytest.mark.parametrize(("tokens", "rotary_dim"), [(1, 64), (5, 32), (7, 20), (300, 64)])
 def test_rotary_is_the_references_bits(tokens: int, rotary_dim: int) -> None:
     """kiln's RoPE gives the torch reference's bits for q and k taken as views of a fused qkv output, on
     one thread (a decode's rows) or split across threads (a prefill's), with the head's tail past a partial
-    rotary dim passed through; a position past the table is an error, not a read past it."""
+    rotary dim passed through (a half of 10 takes the scalar tail); a position past the table is an error,
+    not a read past it."""
     torch.manual_seed(0)
     inv_freq, scaling = rope_inv_freq(rotary_dim, 10000.0, None)
     cos_sin = rope_cos_sin(inv_freq, 4096, scaling)
