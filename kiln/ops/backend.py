@@ -82,10 +82,9 @@ class Backend:
         if self.kernels == "cpu":
             # float32 activations: the kernels widen 16-bit weights in registers and accumulate in float32,
             # or multiply bfloat16 weights natively where the CPU can.
-            from kiln.ops.cpu import rotary as cpu_rotary
+            from kiln.ops.cpu.rotary import apply_rotary as rope
 
             cpu = CpuMatmul(bf16_dot=cpu_native.bf16_dot(), amx=cpu_native.amx())
-            rope = cpu_rotary.apply_rotary
             return dataclasses.replace(
                 TORCH_KERNELS, name="cpu", apply_rotary=rope, matmul=cpu, activations=torch.float32
             )

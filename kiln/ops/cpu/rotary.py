@@ -1,6 +1,6 @@
 """RoPE through kiln's C++ kernel: float32 q and k in the neox layout, tokens split across threads once a
 step has enough of them. Inductor's loop for it ran on one thread in the graph that serves prefills (it is
-traced at a decode's size), about a tenth of a 2,048-token step's time (BENCHMARKS.md, sixteenth steps)."""
+traced at a decode's size), 7-10% of a 2,048-token step's layer time (BENCHMARKS.md, sixteenth steps)."""
 
 import torch
 
