@@ -17,9 +17,11 @@ from kiln.ops.flashinfer_attention import kernel_specs  # noqa: E402
 logging.basicConfig(level=logging.INFO)
 dev = torch.device("cuda")
 specs = {}
-combos = [(hd, w, False) for hd, w in itertools.product((128, 64), (False, True))] + [(128, False, True)]
-for hd, window, tc in combos:
-    for spec in kernel_specs(hd, torch.bfloat16, dev, window, tc):
+bf16 = [(hd, w, False, torch.bfloat16) for hd, w in itertools.product((128, 64), (False, True))]
+# float16: `dtype: auto` on a float32 folder, as test_serve's tiny model is (vLLM's choice too).
+combos = [*bf16, (128, False, True, torch.bfloat16), (128, False, False, torch.float16)]
+for hd, window, tc, dtype in combos:
+    for spec in kernel_specs(hd, dtype, dev, window, tc):
         specs[spec.name] = spec
 clock = time.time()
 build_jit_specs(list(specs.values()))

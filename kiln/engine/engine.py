@@ -65,12 +65,14 @@ class LLMEngine:
         self.backend = choose_backend(
             b.kernels, b.attention, b.sampler, device, dims.head_dim, dtype, b.deterministic
         )
+        built = time.perf_counter()
         attention = self.backend.make_attention(
             dims, config.cache.block_size, self.max_model_len, dtype, device
         )
         kernels = self.backend.layer_kernels(device, dtype)
+        built = time.perf_counter() - built  # FlashInfer's or kiln_cpu's modules, built or found built
         self.model = load_model(path, config.model.dtype, device, kernels, attention)
-        self.timings = {"weights": time.perf_counter() - clock}
+        self.timings = {"kernels": built, "weights": time.perf_counter() - clock - built}
         clock = time.perf_counter()
         self.tokenizer = load_tokenizer(config, path)
         self.timings["tokenizer"] = time.perf_counter() - clock

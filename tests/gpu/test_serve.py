@@ -43,7 +43,7 @@ def test_kiln_serve_on_the_gpu_answers_the_openai_sdk(tmp_path: Path) -> None:
         )
         assert "attention flashinfer" in log and "GPU memory: device" in log and "CUDA graphs:" in log
         # The start-up breakdown a CPU start logs.
-        for part in ("weights", "compile", "capture", "KV cache", "ready"):
+        for part in ("kernels", "weights", "compile", "capture", "KV cache", "ready"):
             assert part in log, part
     finally:
         assert server.stop() == 0, server.output()
