@@ -16,7 +16,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
-BLOCK = 16  # CpuMatmul's packed columns per block (kernels.cpp's kBlock)
+BLOCK = 16  # CpuMatmul's packed columns per block (vec.h's kBlock)
 Activation = Callable[[torch.Tensor], torch.Tensor]
 
 

@@ -1,6 +1,7 @@
-"""Builds kernels.cpp into a torch op library once per machine, and loads it.
+"""Builds kernels.cpp (one translation unit: it includes its parts, vec.h, linear.h, attention.h, ...)
+into a torch op library once per machine, and loads it.
 
-The library lands in `<KILN_CACHE_DIR>/cpu-kernels/<key>/`, keyed by the source, torch's version and
+The library lands in `<KILN_CACHE_DIR>/cpu-kernels/<key>/`, keyed by the sources, torch's version and
 C++ ABI, the compiler and the CPU's vector ISA; it is written under a temporary name and renamed into
 place, so a half-built library is never loaded and two processes building at once both end with a whole
 one. It links torch's own OpenMP runtime, so its threads are torch's (`torch.set_num_threads`)."""
@@ -24,6 +25,7 @@ from kiln.platform import cxx, describe
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("kernels.cpp")
+PARTS = sorted(SOURCE.parent.glob("*.h"))  # included by SOURCE
 
 
 def _command(cxx: str, out: Path) -> list[str]:
@@ -43,7 +45,8 @@ def _command(cxx: str, out: Path) -> list[str]:
 
 def _key(cxx: str) -> str:
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout.splitlines()[:1]
-    parts = [SOURCE.read_bytes(), torch.__version__.encode(), str(version).encode()]
+    parts = [SOURCE.read_bytes(), *(p.read_bytes() for p in PARTS)]
+    parts += [torch.__version__.encode(), str(version).encode()]
     parts.append(f"{torch._C._GLIBCXX_USE_CXX11_ABI}:{describe(torch.device('cpu'))}".encode())
     return hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
 
