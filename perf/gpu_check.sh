@@ -16,6 +16,9 @@ set -u
 T0=$(date +%s); TOTAL=${1:-560}; TESTS=${2-all}; PHASES=${3:-}; shift 3 2>/dev/null; BENCH_ARGS=("$@")
 left() { echo $(( TOTAL - ($(date +%s) - T0) )); }
 export PYTHONUNBUFFERED=1 KILN_CACHE_DIR=/tmp/kc HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+# The script's own imports of flashinfer (its version, -X importtime) would otherwise create ~/.cache/flashinfer
+# (FlashInfer makes its workspace and log on import), which the last lines check that kiln leaves empty.
+export FLASHINFER_WORKSPACE_BASE=$KILN_CACHE_DIR/flashinfer
 OUT=${OUT:-/tmp/out}; L=/tmp/logs; mkdir -p "$OUT" "$KILN_CACHE_DIR" $L
 SITE=/tmp/kiln-site
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target $SITE .gpu/whl/*.whl > $L/setup.log 2>&1 || { tail $L/setup.log; exit 1; }
