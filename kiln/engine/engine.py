@@ -62,15 +62,17 @@ class LLMEngine:
                 f"max_model_len {self.max_model_len} exceeds the model's max_position_embeddings "
                 f"{dims.max_positions}"
             )
+        # The kernels' part: choosing the backend loads kiln_cpu (built on first use), making the attention
+        # builds FlashInfer's modules (or finds them built).
+        built = time.perf_counter()
         self.backend = choose_backend(
             b.kernels, b.attention, b.sampler, device, dims.head_dim, dtype, b.deterministic
         )
-        built = time.perf_counter()
         attention = self.backend.make_attention(
             dims, config.cache.block_size, self.max_model_len, dtype, device
         )
         kernels = self.backend.layer_kernels(device, dtype)
-        built = time.perf_counter() - built  # FlashInfer's or kiln_cpu's modules, built or found built
+        built = time.perf_counter() - built
         self.model = load_model(path, config.model.dtype, device, kernels, attention)
         self.timings = {"kernels": built, "weights": time.perf_counter() - clock - built}
         clock = time.perf_counter()
