@@ -16,6 +16,8 @@ from openai import OpenAI
 import kiln
 from kiln import LLM, SamplingParams
 from kiln.compile.cache import environment, source_hash
+from kiln.ops.cpu import native
+from kiln.paths import cache_root
 from tests.api.server import start_server
 from tests.models.tiny import build
 
@@ -27,6 +29,16 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("tiny-llama")
     build("llama", path)
     return path
+
+
+def seeded(cache: Path) -> Path:
+    """A new cache root that already holds this session's build of kiln's CPU kernels. Each process here
+    would otherwise build them again into its empty root (about 20 s), which is not what these tests are
+    about; the export and import of a build are (a FlashInfer one, below)."""
+    native.load()
+    built = native.folder()
+    shutil.copytree(built, cache / built.relative_to(cache_root()))
+    return cache
 
 
 def warmup(model: Path, cache: Path, out: Path, *flags: str) -> subprocess.Popen:
@@ -52,7 +64,7 @@ def entries(cache: Path) -> list[Path]:
 
 
 def test_second_start_recompiles_nothing_and_an_export_loads_elsewhere(tiny: Path, tmp_path: Path) -> None:
-    cache, exported = tmp_path / "cache", tmp_path / "tiny.kiln-cache"
+    cache, exported = seeded(tmp_path / "cache"), tmp_path / "tiny.kiln-cache"
     # A FlashInfer JIT build (a GPU machine makes these): the export carries it, with its time.
     built = cache / "flashinfer" / ".cache" / "flashinfer" / "0.5.3" / "90a" / "cached_ops" / "m" / "m.so"
     built.parent.mkdir(parents=True)
@@ -87,14 +99,14 @@ def test_second_start_recompiles_nothing_and_an_export_loads_elsewhere(tiny: Pat
 def test_import_of_a_foreign_file_names_it(tiny: Path, tmp_path: Path) -> None:
     bad = tmp_path / "bad.zip"
     bad.write_bytes(b"not a zip")
-    proc = warmup(tiny, tmp_path / "c", tmp_path / "c.json", "--import", str(bad))
+    proc = warmup(tiny, seeded(tmp_path / "c"), tmp_path / "c.json", "--import", str(bad))
     output = proc.communicate(timeout=600)[0]
     assert proc.returncode == 1
     assert f"{bad}: not a kiln compile cache export" in output
 
 
 def test_two_concurrent_warmups_of_one_key(tiny: Path, tmp_path: Path) -> None:
-    cache = tmp_path / "cache"
+    cache = seeded(tmp_path / "cache")
     procs = [warmup(tiny, cache, tmp_path / f"{i}.json") for i in range(2)]
     for proc in procs:
         finish(proc)
@@ -112,7 +124,7 @@ def test_two_concurrent_warmups_of_one_key(tiny: Path, tmp_path: Path) -> None:
 
 
 def test_corrupt_entry_is_rebuilt_and_the_server_answers(tiny: Path, tmp_path: Path) -> None:
-    cache = tmp_path / "cache"
+    cache = seeded(tmp_path / "cache")
     finish(warmup(tiny, cache, tmp_path / "w.json"))
     [entry] = entries(cache)
     artifacts = entry / "artifacts.bin"

@@ -55,21 +55,26 @@ class BuildError(RuntimeError):
     pass
 
 
-@functools.cache
-def load() -> None:
-    """Builds (first use on this machine) and loads the library; raises BuildError if it cannot."""
+def folder() -> Path:
+    """Where this machine's build of the library lives (or will): keyed as the module's docstring says."""
     compiler = cxx()
     if compiler is None:
         raise BuildError("no C++ compiler found (set CXX or install g++)")
-    folder = cache_root() / "cpu-kernels" / _key(compiler)
-    library = folder / "kernels.so"
+    return cache_root() / "cpu-kernels" / _key(compiler)
+
+
+@functools.cache
+def load() -> None:
+    """Builds (first use on this machine) and loads the library; raises BuildError if it cannot."""
+    target = folder()
+    library = target / "kernels.so"
     if not library.is_file():
-        folder.mkdir(parents=True, exist_ok=True)
-        log.info("building kiln's CPU kernels once for this machine into %s", folder)
+        target.mkdir(parents=True, exist_ok=True)
+        log.info("building kiln's CPU kernels once for this machine into %s", target)
         clock = time.perf_counter()
-        fd, tmp = tempfile.mkstemp(dir=folder, suffix=".so.tmp")
+        fd, tmp = tempfile.mkstemp(dir=target, suffix=".so.tmp")
         os.close(fd)
-        result = subprocess.run(_command(compiler, Path(tmp)), capture_output=True, text=True)
+        result = subprocess.run(_command(cxx(), Path(tmp)), capture_output=True, text=True)
         if result.returncode != 0:
             Path(tmp).unlink(missing_ok=True)
             raise BuildError(f"building {SOURCE.name} failed:\n{result.stderr[-4000:]}")
