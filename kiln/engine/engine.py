@@ -64,7 +64,7 @@ class LLMEngine:
             )
         # The kernels' part: choosing the backend loads kiln_cpu (built on first use), making the attention
         # builds FlashInfer's modules (or finds them built).
-        built = time.perf_counter()
+        start = time.perf_counter()
         self.backend = choose_backend(
             b.kernels, b.attention, b.sampler, device, dims.head_dim, dtype, b.deterministic
         )
@@ -72,7 +72,7 @@ class LLMEngine:
             dims, config.cache.block_size, self.max_model_len, dtype, device
         )
         kernels = self.backend.layer_kernels(device, dtype)
-        built = time.perf_counter() - built
+        built = time.perf_counter() - start
         self.model = load_model(path, config.model.dtype, device, kernels, attention)
         self.timings = {"kernels": built, "weights": time.perf_counter() - clock - built}
         clock = time.perf_counter()

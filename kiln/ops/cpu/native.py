@@ -55,12 +55,16 @@ class BuildError(RuntimeError):
     pass
 
 
-def folder() -> Path:
-    """Where this machine's build of the library lives (or will): keyed as the module's docstring says."""
+def _compiler() -> str:
     compiler = cxx()
     if compiler is None:
         raise BuildError("no C++ compiler found (set CXX or install g++)")
-    return cache_root() / "cpu-kernels" / _key(compiler)
+    return compiler
+
+
+def folder() -> Path:
+    """Where this machine's build of the library lives (or will): keyed as the module's docstring says."""
+    return cache_root() / "cpu-kernels" / _key(_compiler())
 
 
 @functools.cache
@@ -74,7 +78,7 @@ def load() -> None:
         clock = time.perf_counter()
         fd, tmp = tempfile.mkstemp(dir=target, suffix=".so.tmp")
         os.close(fd)
-        result = subprocess.run(_command(cxx(), Path(tmp)), capture_output=True, text=True)
+        result = subprocess.run(_command(_compiler(), Path(tmp)), capture_output=True, text=True)
         if result.returncode != 0:
             Path(tmp).unlink(missing_ok=True)
             raise BuildError(f"building {SOURCE.name} failed:\n{result.stderr[-4000:]}")
