@@ -62,15 +62,16 @@ def _compiler() -> str:
     return compiler
 
 
-def folder() -> Path:
+def folder(compiler: str | None = None) -> Path:
     """Where this machine's build of the library lives (or will): keyed as the module's docstring says."""
-    return cache_root() / "cpu-kernels" / _key(_compiler())
+    return cache_root() / "cpu-kernels" / _key(compiler or _compiler())
 
 
 @functools.cache
 def load() -> None:
     """Builds (first use on this machine) and loads the library; raises BuildError if it cannot."""
-    target = folder()
+    compiler = _compiler()
+    target = folder(compiler)
     library = target / "kernels.so"
     if not library.is_file():
         target.mkdir(parents=True, exist_ok=True)
@@ -78,7 +79,7 @@ def load() -> None:
         clock = time.perf_counter()
         fd, tmp = tempfile.mkstemp(dir=target, suffix=".so.tmp")
         os.close(fd)
-        result = subprocess.run(_command(_compiler(), Path(tmp)), capture_output=True, text=True)
+        result = subprocess.run(_command(compiler, Path(tmp)), capture_output=True, text=True)
         if result.returncode != 0:
             Path(tmp).unlink(missing_ok=True)
             raise BuildError(f"building {SOURCE.name} failed:\n{result.stderr[-4000:]}")
