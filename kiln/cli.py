@@ -62,6 +62,11 @@ SERVE_FLAGS: dict[str, tuple[str, str, dict]] = {
     "--max-num-seqs": ("scheduler", "max_num_seqs", {"type": int}),
     "--max-num-batched-tokens": ("scheduler", "max_num_batched_tokens", {"type": int}),
     "--long-prefill-token-threshold": ("scheduler", "long_prefill_token_threshold", {"type": int}),
+    "--async-scheduling": (
+        "scheduler",
+        "async_scheduling",
+        {"action": argparse.BooleanOptionalAction, "help": "schedule a step while the last runs (CUDA's default)"},
+    ),
     "--block-size": ("cache", "block_size", {"type": int}),
     "--kv-cache-gib": ("cache", "kv_cache_gib", {"type": float}),
     "--dtype": ("model", "dtype", {"choices": ["auto", "float32", "bfloat16", "float16"]}),

@@ -50,6 +50,14 @@ class SchedulerConfig(_Section):
     # or 1024 where kiln's kernels multiply on AMX tiles (a chunk costs a fraction as much there); no limit
     # on a GPU, as vLLM's default; 0: no limit.
     long_prefill_token_threshold: Annotated[int, Meta(ge=0)] | None = None
+    # vLLM's async scheduling: the next step is scheduled and launched while the device still runs this one,
+    # its decode inputs taken from the sampled tokens on the device; a stop is then seen one step late, and
+    # that step's token for the stopped request is dropped. null: on CUDA, where it hides the step's host
+    # work behind the GPU; off on the CPU, where the host is the device and there is nothing to hide.
+    async_scheduling: bool | None = None
+
+    def use_async(self, device_type: str) -> bool:
+        return device_type == "cuda" if self.async_scheduling is None else self.async_scheduling
 
     def prefill_chunk(self, device_type: str, tiles: bool = False) -> int:
         """The most tokens one request prefills in a step; tiles: the CPU kernels run on AMX tiles."""

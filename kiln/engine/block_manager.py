@@ -88,7 +88,7 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return
         self.update_hashes(req)
-        full = req.num_computed_tokens // self.block_size
+        full = min(req.num_computed_tokens, req.num_tokens) // self.block_size  # (pending ids aren't known)
         for i in range(req.num_registered_blocks, full):
             block = self.blocks[req.block_ids[i]]
             if block.hash is None:

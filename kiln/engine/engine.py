@@ -20,8 +20,8 @@ from kiln.engine.grammar import Constraint, Grammars
 from kiln.engine.memory import kv_cache_blocks
 from kiln.engine.output import OutputProcessor, Parent, RequestOutput
 from kiln.engine.request import Request
-from kiln.engine.runner import ModelRunner
-from kiln.engine.scheduler import Scheduler
+from kiln.engine.runner import ModelRunner, StepResult
+from kiln.engine.scheduler import ScheduledBatch, Scheduler
 from kiln.models.loader import inspect_model, load_model, resolve_model
 from kiln.ops.backend import choose_backend
 from kiln.ops.cpu import threads
@@ -92,13 +92,15 @@ class LLMEngine:
         )
         chunk = config.scheduler.prefill_chunk(device.type, self.backend.tiles(dtype))
         self.scheduler = Scheduler(config.scheduler, self.block_manager, chunk)
+        self.async_scheduling = config.scheduler.use_async(device.type)
+        self.in_flight: StepResult | None = None  # the launched step whose outputs are not yet processed
         self.output = OutputProcessor(
             self.tokenizer, self.eos_token_ids, self.max_model_len, self.scheduler.finish
         )
         self.timings["KV cache"] += time.perf_counter() - clock
         log.info(
             "engine ready: %s (%s), %d KV blocks of %d tokens, max_model_len %d; kernels %s, attention %s, "
-            "sampler %s",
+            "sampler %s; async scheduling %s",
             self.model.spec.name,
             self.model.embed.weight.dtype,
             num_blocks,
@@ -107,6 +109,7 @@ class LLMEngine:
             self.backend.kernels,
             self.backend.attention,
             self.backend.sampler,
+            "on" if self.async_scheduling else "off",
         )
 
     def warmup(self, progress: bool = False) -> list[BucketReport]:
@@ -214,6 +217,7 @@ class LLMEngine:
             if p.min_tokens == 0
             else sorted(set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos_token_ids))
         )
+        room = self.max_model_len - len(ids)
         generator = None
         if p.seed is not None:
             generator = torch.Generator(device=self.runner.device).manual_seed(p.seed)
@@ -223,7 +227,7 @@ class LLMEngine:
             params=p,
             token_ids=list(ids),
             num_prompt_tokens=len(ids),
-            max_tokens=p.max_tokens or self.max_model_len - len(ids),
+            max_tokens=min(p.max_tokens or room, room),
             text=SequenceText(IncrementalDetokenizer(self.tokenizer, ids, p.skip_special_tokens), p.stop),
             generator=generator,
             min_tokens_banned=banned,
@@ -241,22 +245,40 @@ class LLMEngine:
                 child.finish_reason = "abort"
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or self.in_flight is not None
 
     # -- the step -----------------------------------------------------------------------------
 
     def step(self, final_only: bool = False) -> list[RequestOutput]:
-        """One engine step: schedule, execute, then the outputs of the requests it advanced (deltas; with
-        final_only, only the whole outputs of requests it finished)."""
+        """One engine step: schedule, launch, then the outputs of the requests it advanced (deltas; with
+        final_only, only the whole outputs of requests it finished). Under async scheduling those come
+        from the step before, landed while this one runs."""
+        outputs: list[RequestOutput] = []
+        last, self.in_flight = self.in_flight, None
+        if last is not None and any(r.grammar is not None for r in last.sampled):
+            outputs = self.output.process(last, final_only)  # the next bitmasks need these tokens
+            last = None
         batch = self.scheduler.schedule()
-        if not batch.requests:  # every waiting request waits for its grammar
+        if batch.requests:
+            result = self._launch(batch)
+            if self.async_scheduling:
+                self.in_flight = result
+            else:
+                outputs += self.output.process(result, final_only)
+        elif last is None:  # every waiting request waits for its grammar
             self.grammars.wait(timeout=0.05)
-            return []
+        if last is not None:
+            outputs += self.output.process(last, final_only)
+        return outputs
+
+    def _launch(self, batch: ScheduledBatch) -> StepResult:
         result = self.runner.execute(batch)
         for req, n in zip(batch.requests, batch.num_new_tokens, strict=True):
             req.num_computed_tokens += n
             self.block_manager.cache_full_blocks(req)
-        return self.output.process(result, final_only)
+        for req in result.sampled:
+            req.num_pending += 1
+        return result
 
     def stats(self) -> dict[str, Any]:
         return {

@@ -163,8 +163,13 @@ class OutputProcessor:
 
     def process(self, result: StepResult, final_only: bool) -> list[RequestOutput]:
         """The step's outputs: a delta per request it advanced; with final_only (vLLM's FINAL_ONLY
-        output kind, for callers that don't stream) the whole outputs of the requests it finished."""
+        output kind, for callers that don't stream) the whole outputs of the requests it finished. A request
+        that finished while the step ran (async scheduling: a stop seen one step late, or an abort) drops
+        what the step made for it."""
+        result.wait()
         for req, pl in result.prompt_logprobs.items():
+            if req.finished:
+                continue
             assert req.prompt_logprobs is not None
             ks = [req.params.prompt_logprobs or 0] * len(pl.ranks)
             del req.prompt_logprobs[pl.first_position + 1 :]  # a preempted request scores its prompt again
@@ -182,6 +187,9 @@ class OutputProcessor:
             )
         advanced: dict[str, list[Request]] = {}
         for i, (req, token) in enumerate(zip(result.sampled, tokens, strict=True)):
+            req.num_pending -= 1
+            if req.finished:
+                continue
             if req.grammar is not None and (req.grammar.failed or not req.grammar.accept(token)):
                 log.error("request %s: its grammar failed; it ends as aborted", req.request_id)
                 req.finish_reason = "abort"

@@ -30,14 +30,15 @@ PositionLogprobs = dict[int, Logprob]
 @dataclass(slots=True, eq=False)
 class Request:
     """One sequence being generated. `token_ids` is prompt + output; the KV of the first
-    `num_computed_tokens` of them is in the cache."""
+    `num_computed_tokens` of them is in the cache. Under async scheduling the last `num_pending` tokens
+    are sampled but still on the device: they follow token_ids, and the next step reads them there."""
 
     request_id: str
     parent_id: str  # the user's request id; differs from request_id only for n > 1
     params: SamplingParams
     token_ids: list[int]
     num_prompt_tokens: int
-    max_tokens: int
+    max_tokens: int  # at most max_model_len less the prompt
     text: SequenceText
     generator: torch.Generator | None = None
     min_tokens_banned: list[int] = field(default_factory=list)  # EOS and stop ids, until min_tokens
@@ -45,6 +46,7 @@ class Request:
     grammar: SequenceGrammar | None = None  # params.structured_outputs, compiled
     status: Status = Status.WAITING
     num_computed_tokens: int = 0
+    num_pending: int = 0
     num_cached_tokens: int = -1  # prompt tokens served from the prefix cache at first admission
     block_ids: list[int] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)
@@ -74,7 +76,13 @@ class Request:
 
     @property
     def banned_ids(self) -> list[int]:
-        return self.min_tokens_banned if self.num_output_tokens < self.params.min_tokens else []
+        produced = self.num_output_tokens + self.num_pending
+        return self.min_tokens_banned if produced < self.params.min_tokens else []
+
+    @property
+    def ends_by_length(self) -> bool:
+        """Its pending token is its last: the step that would read it is not needed."""
+        return self.num_pending > 0 and self.num_output_tokens + self.num_pending >= self.max_tokens
 
     @property
     def finished(self) -> bool:

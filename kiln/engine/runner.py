@@ -39,9 +39,21 @@ class PromptLogprobs:
 
 @dataclass(slots=True)
 class StepResult:
+    """A launched step's results, copied to the host as the device gets to them: wait() before reading."""
+
     sampled: list[Request]  # requests that reached the end of their tokens and got a new one
     output: SamplerOutput | None
     prompt_logprobs: dict[Request, PromptLogprobs]  # this step's rows of prompt logprobs
+    done: torch.cuda.Event | None = None  # recorded after the copies; None where the host is the device
+
+    def wait(self) -> None:
+        if self.done is not None:
+            self.done.synchronize()
+
+
+def _host(t: torch.Tensor) -> torch.Tensor:
+    """A device tensor's copy on the host, made when the device gets there (pinned, so the host goes on)."""
+    return t.to("cpu", non_blocking=True)
 
 
 class ModelRunner:
@@ -72,6 +84,10 @@ class ModelRunner:
         generator = torch.Generator(device=self.device).manual_seed(config.model.seed)
         self.sampler = Sampler(generator, *backend.sampler_ops())
         self.token_counts = TokenCounts(model.dims.vocab_size, self.device)
+        # The last step's sampled tokens, on the device, and each sampled request's row in them: a request
+        # whose token is still pending (async scheduling) reads it from there.
+        self.last_tokens = torch.zeros(0, dtype=torch.int64, device=self.device)
+        self.last_rows: dict[Request, int] = {}
         self.lowering = Lowering(model, config.compile.mode, BucketPlan.from_config(config), backend)
 
     def allocate_kv(self, num_blocks: int) -> None:
@@ -94,10 +110,15 @@ class ModelRunner:
         starts = np.fromiter((r.num_computed_tokens for r in reqs), dtype=np.int64, count=num_reqs)
         cu = np.concatenate([[0], np.cumsum(num_new)])
 
-        # Per request, not per token: copy its new tokens and its block table row.
+        # Per request, not per token: copy its new tokens and its block table row. A pending token is the
+        # last of its request's new tokens; the device fills it in from the last step's samples.
         buf = self.buf
+        pending: list[tuple[int, int]] = []  # (its position in the flat batch, its row in last_tokens)
         for i, r in enumerate(reqs):
-            buf.input_ids[cu[i] : cu[i + 1]] = r.token_ids[starts[i] : starts[i] + num_new[i]]
+            known = min(starts[i] + num_new[i], r.num_tokens)
+            buf.input_ids[cu[i] : cu[i] + known - starts[i]] = r.token_ids[starts[i] : known]
+            if known < starts[i] + num_new[i]:
+                pending.append((cu[i + 1] - 1, self.last_rows[r]))
             buf.block_table[i, : len(r.block_ids)] = r.block_ids
         req_of_token = np.repeat(np.arange(num_reqs), num_new)
         positions = np.arange(num_tokens) - cu[req_of_token] + starts[req_of_token]
@@ -108,12 +129,13 @@ class ModelRunner:
         )
         buf.query_start_loc[: num_reqs + 1] = cu
         buf.seq_lens[:num_reqs] = starts + num_new
-        hidden = self._forward(num_tokens, num_reqs, bool((num_new == 1).all()))
+        hidden = self._forward(num_tokens, num_reqs, bool((num_new == 1).all()), pending)
 
-        sampling = [i for i, r in enumerate(reqs) if starts[i] + num_new[i] == r.num_tokens]
+        sampling = [i for i, r in enumerate(reqs) if starts[i] + num_new[i] == r.num_tokens + r.num_pending]
         prompt_logprobs = self._prompt_logprobs(reqs, starts, num_new, cu, hidden)
         if not sampling:
-            return StepResult([], None, prompt_logprobs)
+            self.last_rows = {}
+            return self._result([], None, prompt_logprobs)
         sampled = [reqs[i] for i in sampling]
         allowed = self._allowed(sampled)  # on the CPU, while a GPU runs the forward
         logits = self.model.compute_logits(hidden[self._tensor(cu[1:][sampling] - 1)])
@@ -128,7 +150,25 @@ class ModelRunner:
         )
         out = self.sampler(logits, meta)
         self.token_counts.update(out.token_ids)
-        return StepResult(sampled, out, prompt_logprobs)
+        self.last_tokens, self.last_rows = out.token_ids, {r: j for j, r in enumerate(sampled)}
+        return self._result(sampled, out, prompt_logprobs)
+
+    def _result(
+        self, sampled: list[Request], out: SamplerOutput | None, prompt_logprobs: dict[Request, PromptLogprobs]
+    ) -> StepResult:
+        """The step's outputs bound for the host. On a GPU nothing here waits for the step to run."""
+        if self.device.type != "cuda":
+            return StepResult(sampled, out, prompt_logprobs)
+        if out is not None:
+            fields = (out.token_ids, out.logprob_token_ids, out.logprobs, out.ranks)
+            out = SamplerOutput(*(None if t is None else _host(t) for t in fields))
+        prompt_logprobs = {
+            r: PromptLogprobs(pl.first_position, _host(pl.ids), _host(pl.logprobs), _host(pl.ranks))
+            for r, pl in prompt_logprobs.items()
+        }
+        done = torch.cuda.Event()
+        done.record()
+        return StepResult(sampled, out, prompt_logprobs, done)
 
     def _allowed(self, sampled: list[Request]) -> tuple[torch.Tensor, list[int]] | None:
         """The token bitmask of the rows under a grammar, and which rows those are."""
@@ -142,9 +182,15 @@ class ModelRunner:
         assert self.grammars is not None
         return self.grammars.bitmask(grammars, rows, len(sampled)), rows
 
-    def _forward(self, num_tokens: int, num_reqs: int, decode_only: bool) -> torch.Tensor:
-        """Runs the model on the first num_tokens/num_reqs entries of the staging buffers."""
+    def _forward(
+        self, num_tokens: int, num_reqs: int, decode_only: bool, pending: list[tuple[int, int]] | None = None
+    ) -> torch.Tensor:
+        """Runs the model on the first num_tokens/num_reqs entries of the staging buffers; `pending`
+        input ids are taken from the last step's samples on the device."""
         num_tokens, args = self.step_inputs(num_tokens, num_reqs, decode_only)
+        if pending:
+            at, rows = self._tensor(np.array(pending, dtype=np.int64)).T
+            args[0][at] = self.last_tokens[rows]
         return self.lowering(num_tokens, decode_only, *args)
 
     def step_inputs(self, num_tokens: int, num_reqs: int, decode_only: bool) -> tuple[int, tuple]:

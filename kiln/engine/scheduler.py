@@ -51,7 +51,10 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            num_new = min(req.num_tokens - req.num_computed_tokens, self.chunk, budget)
+            if req.ends_by_length:
+                i += 1
+                continue
+            num_new = min(req.num_tokens + req.num_pending - req.num_computed_tokens, self.chunk, budget)
             while not self.block_manager.allocate(req, req.num_computed_tokens + num_new):
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -70,7 +73,8 @@ class Scheduler:
             self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not batch.num_preempted
         ):
             req = self.waiting[0]
-            if req.grammar is not None and not req.grammar.ready:
+            # (A request preempted with a token in flight waits for it: it is landed before the next step.)
+            if req.num_pending or (req.grammar is not None and not req.grammar.ready):
                 skipped.append(self.waiting.popleft())
                 continue
             if req.num_computed_tokens == 0:

@@ -84,6 +84,9 @@ class FlashInferAttention:
             flashinfer.BatchDecodeWithPagedKVCacheWrapper | flashinfer.BatchPrefillWithPagedKVCacheWrapper
         )
         self._active = self.prefill
+        # plan() stages its tables in pinned host buffers that the device copies from later. Under async
+        # scheduling the next plan comes while the last step still runs: it waits for those copies first.
+        self._planned = torch.cuda.Event()
         self.id = next(_IDS)
         _LIVE[self.id] = self
 
@@ -121,6 +124,11 @@ class FlashInferAttention:
         return self.graph_prefill[batch]
 
     def plan(self, layout: StepLayout) -> None:
+        self._planned.synchronize()
+        self._plan(layout)
+        self._planned.record()
+
+    def _plan(self, layout: StepLayout) -> None:
         lens = layout.seq_lens.astype(np.int64)
         # An empty request (a padding row) still gets one page, so no request has zero pages.
         pages = np.maximum(1, -(-lens // self.block_size))

@@ -51,9 +51,17 @@ def one(llm: LLM, prompt: Any, params: SamplingParams) -> CompletionOutput:
     return out.outputs[0]
 
 
+# roomy and tight schedule asynchronously (CUDA's default; each step is launched before the last one's
+# tokens are processed), and reference does not: the tests that compare them check the one against the other.
 @pytest.fixture(scope="module")
 def roomy(default_model_dir: Path) -> LLM:
-    return LLM(str(default_model_dir), dtype="float32", max_model_len=MAX_MODEL_LEN, kv_cache_gib=0.25)
+    return LLM(
+        str(default_model_dir),
+        dtype="float32",
+        max_model_len=MAX_MODEL_LEN,
+        kv_cache_gib=0.25,
+        async_scheduling=True,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -78,6 +86,7 @@ def tight(default_model_dir: Path) -> LLM:
         block_size=16,
         kv_cache_gib=0.0172,  # 25 blocks, one of them the padding block
         max_num_batched_tokens=64,
+        async_scheduling=True,
     )
     assert llm.engine.block_manager.num_blocks == 24
     return llm
