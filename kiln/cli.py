@@ -65,7 +65,7 @@ SERVE_FLAGS: dict[str, tuple[str, str, dict]] = {
     "--async-scheduling": (
         "scheduler",
         "async_scheduling",
-        {"action": argparse.BooleanOptionalAction, "help": "schedule a step while the last runs (CUDA's default)"},
+        {"action": argparse.BooleanOptionalAction, "help": "schedule a step while the last runs (CUDA)"},
     ),
     "--block-size": ("cache", "block_size", {"type": int}),
     "--kv-cache-gib": ("cache", "kv_cache_gib", {"type": float}),

@@ -2,7 +2,7 @@
 ignore_eos) on the default model; after 30 steps (every prompt prefilled) it times 30 steps, then runs
 10 more under the torch profiler and prints the ops by self time.
 
-    .venv/bin/python perf/step_profile.py --batch 16 [--batch 1 64 ...] [--time-only]
+    .venv/bin/python perf/step_profile.py --batch 16 [--batch 1 64 ...] [--time-only] [--async-scheduling]
 
 `--time-only` skips the profiler (for before/after step times: PYTHONPATH=<worktree> times another commit).
 """
@@ -25,8 +25,10 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=15, help="profiler table rows")
     ap.add_argument("--time-only", action="store_true", help="step times alone, no profiler")
     ap.add_argument("--dtype", default="auto", help="model.dtype (auto, float32, bfloat16, float16)")
+    ap.add_argument("--async-scheduling", action="store_true", help="CUDA's default; off on the CPU")
     args = ap.parse_args()
-    engine = LLM("default", dtype=args.dtype, max_model_len=2048, kv_cache_gib=1).engine
+    options = {"async_scheduling": True} if args.async_scheduling else {}
+    engine = LLM("default", dtype=args.dtype, max_model_len=2048, kv_cache_gib=1, **options).engine
     for b in args.batch:
         rng = random.Random(b)
         params = SamplingParams(temperature=0.0, max_tokens=80, ignore_eos=True)

@@ -52,8 +52,9 @@ class StepResult:
 
 
 def _host(t: torch.Tensor) -> torch.Tensor:
-    """A device tensor's copy on the host, made when the device gets there (pinned, so the host goes on)."""
-    return t.to("cpu", non_blocking=True)
+    """A device tensor's copy on the host, made when the device gets there: into pinned memory, as a copy
+    into pageable memory would hold the host until then."""
+    return torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
 
 
 class ModelRunner:
@@ -154,7 +155,10 @@ class ModelRunner:
         return self._result(sampled, out, prompt_logprobs)
 
     def _result(
-        self, sampled: list[Request], out: SamplerOutput | None, prompt_logprobs: dict[Request, PromptLogprobs]
+        self,
+        sampled: list[Request],
+        out: SamplerOutput | None,
+        prompt_logprobs: dict[Request, PromptLogprobs],
     ) -> StepResult:
         """The step's outputs bound for the host. On a GPU nothing here waits for the step to run."""
         if self.device.type != "cuda":

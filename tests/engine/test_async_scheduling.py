@@ -83,9 +83,10 @@ def test_a_request_aborted_while_its_step_runs_gets_nothing_more(engines: dict[b
     engine.add_request("kept", [5, 6, 7, 8], params)
     engine.add_request("gone", [9, 10, 11, 12], params)
     outputs = engine.step() + engine.step() + engine.step()
-    assert engine.in_flight is not None and {r.request_id for r in engine.in_flight.sampled} == {"kept", "gone"}
+    assert engine.in_flight is not None
+    assert {r.request_id for r in engine.in_flight.sampled} == {"kept", "gone"}
     engine.abort("gone")
-    steps, rest = steps_until_done(engine)
+    _, rest = steps_until_done(engine)
     assert "gone" not in {o.request_id for o in rest}
     kept = [t for o in outputs + rest if o.request_id == "kept" for t in o.outputs[0].token_ids]
     alone = engines[False].generate([[5, 6, 7, 8]], params, use_tqdm=False)[0].outputs[0]

@@ -39,7 +39,7 @@ def test_async_scheduling_matches_sync_scheduling(head_dim: int, tmp_path: Path)
         SamplingParams(temperature=0.0, max_tokens=1),
         SamplingParams(temperature=0.0, max_tokens=9, ignore_eos=True, logprobs=2, prompt_logprobs=1),
         SamplingParams(temperature=0.9, n=3, seed=7, max_tokens=30, repetition_penalty=1.3, ignore_eos=True),
-        SamplingParams(temperature=0.7, seed=3, max_tokens=20, presence_penalty=1.0, top_k=20, ignore_eos=True),
+        SamplingParams(temperature=0.7, seed=3, max_tokens=20, presence_penalty=1, top_k=20, ignore_eos=True),
         SamplingParams(temperature=0.0, max_tokens=256, ignore_eos=True),  # ends at max_model_len
         greedy,
     ]

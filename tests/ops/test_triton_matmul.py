@@ -1,6 +1,7 @@
 """The deterministic mode's GEMM: a row's result is the same bits whatever rows share its call, and close
 to torch's. On a CPU it runs in Triton's interpreter (TRITON_INTERPRET=1, set in tests/conftest.py)."""
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -26,7 +27,27 @@ def _seed() -> None:
     torch.manual_seed(0)
 
 
+def tiles_are_row_invariant() -> bool:
+    """Triton's interpreter multiplies each pair of tiles with numpy's matmul. On some CPUs numpy's BLAS
+    gives a row different bits by its place in the tile (OpenBLAS's kernels for AMD EPYC edge-handle
+    rows by 12s), so there the interpreter cannot show the kernel's invariance; a GPU can."""
+    gen = torch.Generator().manual_seed(0)
+    a, b = (torch.randn(BLOCK_M, BLOCK_M, generator=gen).numpy() for _ in range(2))
+    whole = a @ b
+    for row in range(BLOCK_M):
+        alone = np.zeros_like(a)
+        alone[0] = a[row]
+        if not np.array_equal((alone @ b)[0], whole[row]):
+            return False
+    return True
+
+
 def assert_rows_invariant(f, x: torch.Tensor, whole: torch.Tensor) -> None:
+    if DEVICE == "cpu" and not tiles_are_row_invariant():
+        pytest.skip(
+            "numpy's BLAS on this CPU is not row-invariant within a tile, so the Triton interpreter cannot "
+            "show batch invariance (closeness to torch was checked; tests/gpu/test_deterministic.py does)"
+        )
     for start, rows in SLICES:
         part = f(x[start : start + rows])
         assert torch.equal(part, whole[start : start + rows]), (start, rows)
