@@ -236,6 +236,7 @@ def serve_start(path: Path, cache_dir: Path, log_path: Path) -> dict[str, float]
         "--max-model-len",
         "4096",
         *(["--deterministic"] if KILN_OPTIONS.get("deterministic") else []),
+        *(["--no-async-scheduling"] if KILN_OPTIONS.get("async_scheduling") is False else []),
     ]
     clock = time.perf_counter()
     with log_path.open("ab") as out:
@@ -361,8 +362,13 @@ def main() -> None:
         "--models", type=Path, help="keep the random model folders here, to reuse in a later run (A/B runs)"
     )
     parser.add_argument("--deterministic", action="store_true", help="kiln's batch-invariant mode")
+    parser.add_argument(
+        "--no-async-scheduling", action="store_true", help="schedule one step at a time (for an A/B)"
+    )
     args = parser.parse_args()
     KILN_OPTIONS["deterministic"] = args.deterministic
+    if args.no_async_scheduling:
+        KILN_OPTIONS["async_scheduling"] = False
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     result: dict = {
         "gpu": torch.cuda.get_device_name(),
@@ -372,6 +378,7 @@ def main() -> None:
         "host": platform.node(),
         "phases": args.phases,
         "deterministic": args.deterministic,
+        "async_scheduling": not args.no_async_scheduling,
         "out": str(args.out),
     }
 
