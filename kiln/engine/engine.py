@@ -20,8 +20,9 @@ from kiln.engine.grammar import Constraint, Grammars
 from kiln.engine.memory import kv_cache_blocks
 from kiln.engine.output import OutputProcessor, Parent, RequestOutput
 from kiln.engine.request import Request
-from kiln.engine.runner import ModelRunner, StepResult
+from kiln.engine.runner import ModelRunner
 from kiln.engine.scheduler import ScheduledBatch, Scheduler
+from kiln.engine.step_result import StepResult
 from kiln.models.loader import inspect_model, load_model, resolve_model
 from kiln.ops.backend import choose_backend
 from kiln.ops.cpu import threads
@@ -94,9 +95,7 @@ class LLMEngine:
         self.scheduler = Scheduler(config.scheduler, self.block_manager, chunk)
         self.async_scheduling = config.scheduler.use_async(device.type)
         self.in_flight: StepResult | None = None  # the launched step whose outputs are not yet processed
-        self.output = OutputProcessor(
-            self.tokenizer, self.eos_token_ids, self.max_model_len, self.scheduler.finish
-        )
+        self.output = OutputProcessor(self.tokenizer, self.eos_token_ids, self.scheduler.finish)
         self.timings["KV cache"] += time.perf_counter() - clock
         log.info(
             "engine ready: %s (%s), %d KV blocks of %d tokens, max_model_len %d; kernels %s, attention %s, "

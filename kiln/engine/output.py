@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kiln.engine.request import Logprob, PositionLogprobs, Request
-from kiln.engine.runner import StepResult
+from kiln.engine.step_result import StepResult
 
 log = logging.getLogger(__name__)
 
@@ -152,12 +152,9 @@ class TokenWords:
 class OutputProcessor:
     """Owns the requests' outputs: `finish` (the scheduler's) frees a sequence that met a stop."""
 
-    def __init__(
-        self, tokenizer: Any, eos_token_ids: set[int], max_model_len: int, finish: Callable[[Request], None]
-    ) -> None:
+    def __init__(self, tokenizer: Any, eos_token_ids: set[int], finish: Callable[[Request], None]) -> None:
         self.words = TokenWords(tokenizer)
         self.eos_token_ids = eos_token_ids
-        self.max_model_len = max_model_len
         self.finish = finish
         self.parents: dict[str, Parent] = {}
 
@@ -228,9 +225,7 @@ class OutputProcessor:
                 hit = req.text.find_stop(len(new_text), p.stop, p.include_stop_str_in_output)
                 if hit is not None:
                     reason = ("stop", hit)
-        if reason is None and (
-            req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.max_model_len
-        ):
+        if reason is None and req.num_output_tokens >= req.max_tokens:  # (max_tokens fits max_model_len)
             reason = ("length", None)
         if reason is not None:
             req.finish_reason, req.stop_reason = reason

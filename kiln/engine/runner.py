@@ -5,7 +5,6 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -18,43 +17,16 @@ from kiln.config import EngineConfig
 from kiln.engine.grammar import Grammars
 from kiln.engine.request import Request
 from kiln.engine.scheduler import ScheduledBatch
+from kiln.engine.step_result import PromptLogprobs, StepResult
 from kiln.engine.token_counts import TokenCounts
 from kiln.models.decoder import DecoderModel
 from kiln.ops.attention import AttnMetadata, StepLayout
 from kiln.ops.backend import TORCH_BACKEND, Backend
-from kiln.ops.sampler import Penalties, Sampler, SamplerOutput, SamplingMetadata, compute_logprobs
+from kiln.ops.sampler import Penalties, Sampler, SamplingMetadata, compute_logprobs
 from kiln.platform import keep_freed_memory
 from kiln.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(slots=True)
-class PromptLogprobs:
-    first_position: int  # prompt position whose *next* token the first row scores
-    ids: torch.Tensor  # [n, 1 + k]
-    logprobs: torch.Tensor  # [n, 1 + k]
-    ranks: torch.Tensor  # [n]
-
-
-@dataclass(slots=True)
-class StepResult:
-    """A launched step's results, copied to the host as the device gets to them: wait() before reading."""
-
-    sampled: list[Request]  # requests that reached the end of their tokens and got a new one
-    output: SamplerOutput | None
-    prompt_logprobs: dict[Request, PromptLogprobs]  # this step's rows of prompt logprobs
-    done: torch.cuda.Event | None = None  # recorded after the copies; None where the host is the device
-
-    def wait(self) -> None:
-        if self.done is not None:
-            self.done.synchronize()
-
-
-def _host(t: torch.Tensor) -> torch.Tensor:
-    """A device tensor's copy on the host, made when the device gets there: into pinned memory, as a copy
-    into pageable memory would hold the host until then."""
-    return torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
 
 
 class ModelRunner:
@@ -136,7 +108,7 @@ class ModelRunner:
         prompt_logprobs = self._prompt_logprobs(reqs, starts, num_new, cu, hidden)
         if not sampling:
             self.last_rows = {}
-            return self._result([], None, prompt_logprobs)
+            return StepResult.launched([], None, prompt_logprobs)
         sampled = [reqs[i] for i in sampling]
         allowed = self._allowed(sampled)  # on the CPU, while a GPU runs the forward
         logits = self.model.compute_logits(hidden[self._tensor(cu[1:][sampling] - 1)])
@@ -152,27 +124,7 @@ class ModelRunner:
         out = self.sampler(logits, meta)
         self.token_counts.update(out.token_ids)
         self.last_tokens, self.last_rows = out.token_ids, {r: j for j, r in enumerate(sampled)}
-        return self._result(sampled, out, prompt_logprobs)
-
-    def _result(
-        self,
-        sampled: list[Request],
-        out: SamplerOutput | None,
-        prompt_logprobs: dict[Request, PromptLogprobs],
-    ) -> StepResult:
-        """The step's outputs bound for the host. On a GPU nothing here waits for the step to run."""
-        if self.device.type != "cuda":
-            return StepResult(sampled, out, prompt_logprobs)
-        if out is not None:
-            fields = (out.token_ids, out.logprob_token_ids, out.logprobs, out.ranks)
-            out = SamplerOutput(*(None if t is None else _host(t) for t in fields))
-        prompt_logprobs = {
-            r: PromptLogprobs(pl.first_position, _host(pl.ids), _host(pl.logprobs), _host(pl.ranks))
-            for r, pl in prompt_logprobs.items()
-        }
-        done = torch.cuda.Event()
-        done.record()
-        return StepResult(sampled, out, prompt_logprobs, done)
+        return StepResult.launched(sampled, out, prompt_logprobs)
 
     def _allowed(self, sampled: list[Request]) -> tuple[torch.Tensor, list[int]] | None:
         """The token bitmask of the rows under a grammar, and which rows those are."""

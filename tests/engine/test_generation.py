@@ -53,27 +53,18 @@ def one(llm: LLM, prompt: Any, params: SamplingParams) -> CompletionOutput:
 
 # roomy and tight schedule asynchronously (CUDA's default; each step is launched before the last one's
 # tokens are processed), and reference does not: the tests that compare them check the one against the other.
+ROOMY = {"dtype": "float32", "max_model_len": MAX_MODEL_LEN, "kv_cache_gib": 0.25}
+
+
 @pytest.fixture(scope="module")
 def roomy(default_model_dir: Path) -> LLM:
-    return LLM(
-        str(default_model_dir),
-        dtype="float32",
-        max_model_len=MAX_MODEL_LEN,
-        kv_cache_gib=0.25,
-        async_scheduling=True,
-    )
+    return LLM(str(default_model_dir), async_scheduling=True, **ROOMY)
 
 
 @pytest.fixture(scope="module")
 def reference(default_model_dir: Path) -> LLM:
     """A roomy engine without prefix caching: every prompt is computed from scratch."""
-    return LLM(
-        str(default_model_dir),
-        dtype="float32",
-        max_model_len=MAX_MODEL_LEN,
-        kv_cache_gib=0.25,
-        enable_prefix_caching=False,
-    )
+    return LLM(str(default_model_dir), enable_prefix_caching=False, **ROOMY)
 
 
 @pytest.fixture(scope="module")

@@ -30,7 +30,7 @@ def _seed() -> None:
 def tiles_are_row_invariant() -> bool:
     """Triton's interpreter multiplies each pair of tiles with numpy's matmul. On some CPUs numpy's BLAS
     gives a row different bits by its place in the tile (OpenBLAS's kernels for AMD EPYC edge-handle
-    rows by 12s), so there the interpreter cannot show the kernel's invariance; a GPU can."""
+    rows by 12s); a GPU's MMA does not."""
     gen = torch.Generator().manual_seed(0)
     a, b = (torch.randn(BLOCK_M, BLOCK_M, generator=gen).numpy() for _ in range(2))
     whole = a @ b
@@ -43,12 +43,12 @@ def tiles_are_row_invariant() -> bool:
 
 
 def assert_rows_invariant(f, x: torch.Tensor, whole: torch.Tensor) -> None:
+    slices = SLICES
     if DEVICE == "cpu" and not tiles_are_row_invariant():
-        pytest.skip(
-            "numpy's BLAS on this CPU is not row-invariant within a tile, so the Triton interpreter cannot "
-            "show batch invariance (closeness to torch was checked; tests/gpu/test_deterministic.py does)"
-        )
-    for start, rows in SLICES:
+        # The interpreter can then show invariance only for rows that keep their place in their tile
+        # (tests/gpu/test_deterministic.py checks the rest on a GPU).
+        slices = [(start, rows) for start, rows in SLICES if start % BLOCK_M == 0]
+    for start, rows in slices:
         part = f(x[start : start + rows])
         assert torch.equal(part, whole[start : start + rows]), (start, rows)
 
