@@ -23,6 +23,7 @@ from kiln.models.decoder import DecoderModel
 from kiln.ops.attention import AttnMetadata, StepLayout
 from kiln.ops.backend import TORCH_BACKEND, Backend
 from kiln.ops.sampler import Penalties, Sampler, SamplingMetadata, compute_logprobs
+from kiln.ops.transfer import to_device
 from kiln.platform import keep_freed_memory
 from kiln.sampling_params import SamplingParams
 
@@ -74,7 +75,7 @@ class ModelRunner:
         self.buf.padding_block = num_blocks
 
     def _tensor(self, array: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(np.ascontiguousarray(array)).to(self.device, non_blocking=True)
+        return to_device(array, None, self.device)
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> StepResult:
@@ -276,6 +277,6 @@ class ModelRunner:
             if k is None or end <= start:
                 continue
             logits = self.model.compute_logits(hidden[int(cu[i]) : int(cu[i]) + end - start])
-            targets = torch.tensor(r.token_ids[start + 1 : end + 1], device=self.device)
+            targets = to_device(r.token_ids[start + 1 : end + 1], torch.int64, self.device)
             out[r] = PromptLogprobs(start, *compute_logprobs(logits, targets, k))
         return out

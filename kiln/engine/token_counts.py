@@ -7,6 +7,7 @@ import torch
 
 from kiln.engine.request import Request
 from kiln.ops.sampler import Penalties, token_counts
+from kiln.ops.transfer import to_device
 
 
 class TokenCounts:
@@ -34,12 +35,13 @@ class TokenCounts:
         for i in users:
             if reqs[i] not in self.rows:
                 self._admit(reqs[i])
-        index = torch.tensor([self.rows.get(r, 0) for r in reqs], dtype=torch.int64, device=self.device)
+        index = to_device([self.rows.get(r, 0) for r in reqs], torch.int64, self.device)
         prompt, counts = self.prompt[index], self.counts[index]  # copies: the step may not change the rows
         if len(users) < len(reqs):
-            others = torch.tensor([i for i, r in enumerate(reqs) if r not in self.rows], device=self.device)
+            rest = [i for i, r in enumerate(reqs) if r not in self.rows]
+            others = to_device(rest, torch.int64, self.device)
             prompt[others], counts[others] = False, 0
-        positions = torch.tensor(users, device=self.device)
+        positions = to_device(users, torch.int64, self.device)
         self._step = (positions, index[positions])
         return Penalties.build([r.params for r in reqs], prompt, counts)
 

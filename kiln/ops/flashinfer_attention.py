@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 from kiln.ops.attention import AttnMetadata, StepLayout
+from kiln.ops.transfer import pinned, to_device
 from kiln.ops.triton.kv_cache import write_kv
 
 log = logging.getLogger(__name__)
@@ -136,7 +137,13 @@ class FlashInferAttention:
         indptr = np.concatenate([[0], np.cumsum(pages)]).astype(np.int32)
         table = layout.block_table
         indices = table[np.arange(table.shape[1])[None, :] < pages[:, None]].astype(np.int32)
-        host = [torch.from_numpy(a) for a in (indptr, indices, last_page_len)]
+        # plan() reads the page pointers and lengths on the host and copies them from pinned memory without a
+        # sync; host page indices it would copy into a CUDA-graph wrapper's buffer blocking (a sync), so they
+        # go to the device first.
+        host = [pinned(indptr), to_device(indices, None, self.device), pinned(last_page_len)]
+        # The KV lengths, as FlashInfer would compute them from the pages: given pinned, the prefill plan's
+        # copy of them is queued too.
+        kv_lens = pinned(((pages - 1) * self.block_size + last_page_len).astype(np.int32))
         common = {
             "num_qo_heads": self.num_heads,
             "num_kv_heads": self.num_kv_heads,
@@ -146,12 +153,13 @@ class FlashInferAttention:
             "q_data_type": self.dtype,
             "kv_data_type": self.dtype,
         }
-        qo_indptr = torch.from_numpy(layout.query_start_loc.astype(np.int32))
+        qo_indptr = pinned(layout.query_start_loc.astype(np.int32))
         if self.deterministic:
             self._active = self._graph_prefill(len(lens)) if layout.graph else self.prefill
             self._active.plan(
-                qo_indptr, *host, head_dim_qk=self.head_dim, causal=True, disable_split_kv=True, **common
-            )
+                qo_indptr, *host, head_dim_qk=self.head_dim, causal=True, disable_split_kv=True,
+                seq_lens=kv_lens, **common,
+            )  # fmt: skip
             return
         if layout.decode_only:
             batch = len(lens)
@@ -159,7 +167,9 @@ class FlashInferAttention:
             self._active.plan(*host, head_dim=self.head_dim, **common)
             return
         self._active = self.prefill
-        self.prefill.plan(qo_indptr, *host, head_dim_qk=self.head_dim, causal=True, **common)
+        self.prefill.plan(
+            qo_indptr, *host, head_dim_qk=self.head_dim, causal=True, seq_lens=kv_lens, **common
+        )
 
     def forward(
         self,

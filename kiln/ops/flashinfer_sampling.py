@@ -8,6 +8,7 @@ import flashinfer.sampling as fs
 import torch
 
 from kiln.ops.sampler import SamplingMetadata
+from kiln.ops.transfer import to_device
 
 
 def draw_tokens(
@@ -41,7 +42,7 @@ def draw_tokens(
     rest = torch.ones(len(logits), dtype=torch.bool)
     rest[seeded] = False
     if rest.any():
-        idx = rest.nonzero().flatten().to(logits.device)
+        idx = to_device(rest.nonzero().flatten(), None, logits.device)
         out[idx] = draw(idx, generator).long()
     for row, own in meta.generators.items():
         out[row : row + 1] = draw(slice(row, row + 1), own).long()

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kiln.ops.transfer import to_device
 from kiln.sampling_params import SamplingParams
 
 
@@ -25,7 +26,7 @@ class Penalties:
         cls, params: list[SamplingParams], prompt_mask: torch.Tensor, output_counts: torch.Tensor
     ) -> Penalties:
         def column(values: list[float]) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.float32, device=prompt_mask.device)[:, None]
+            return to_device(values, torch.float32, prompt_mask.device)[:, None]
 
         return cls(
             repetition=column([p.repetition_penalty for p in params]),
@@ -52,9 +53,8 @@ def token_counts(ids: list[list[int]], vocab_size: int, device: torch.device) ->
     """[len(ids), vocab_size] int32: how often each token occurs in each row of ids."""
     width = max((len(row) for row in ids), default=0)
     # The padding id is vocab_size: it lands in an extra column that is then dropped.
-    padded = torch.tensor(
-        [row + [vocab_size] * (width - len(row)) for row in ids], dtype=torch.int64, device=device
-    ).view(len(ids), width)
+    padded = to_device([row + [vocab_size] * (width - len(row)) for row in ids], torch.int64, device)
+    padded = padded.view(len(ids), width)
     counts = torch.zeros(len(ids), vocab_size + 1, dtype=torch.int32, device=device)
     counts.scatter_add_(1, padded, torch.ones_like(padded, dtype=torch.int32))
     return counts[:, :vocab_size]
@@ -111,7 +111,7 @@ class SamplingMetadata:
         banned = [(row, tok) for row, ids in enumerate(banned_ids) for tok in ids if 0 <= tok < vocab_size]
 
         def tensor(values: list, dtype: torch.dtype) -> torch.Tensor:
-            return torch.tensor(values, dtype=dtype, device=device)
+            return to_device(values, dtype, device)
 
         return cls(
             temperature=tensor(temperature, torch.float32),

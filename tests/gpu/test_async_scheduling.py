@@ -7,6 +7,7 @@ import random
 from pathlib import Path
 
 import pytest
+import torch
 
 from kiln import LLM, SamplingParams
 from tests.models.tiny import VOCAB, build
@@ -47,3 +48,41 @@ def test_async_scheduling_matches_sync_scheduling(head_dim: int, tmp_path: Path)
     expected = whole(sync, prompts, params)
     assert whole(pipelined, prompts, params) == expected
     assert pipelined.engine.block_manager.usage == 0.0 and not pipelined.engine.has_unfinished()
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_steps_never_synchronize_the_stream(deterministic: bool, tmp_path: Path) -> None:
+    """A call that synchronizes the stream anywhere in a step (a blocking copy to the device, reading a value
+    off it) holds the host until the GPU has run everything queued, so async scheduling would overlap
+    nothing. torch's sync debug mode makes every such call raise; waiting on a step's event is not one."""
+    build("llama", tmp_path, 128)
+    llm = LLM(str(tmp_path), dtype="bfloat16", device="cuda", deterministic=deterministic, kv_cache_gib=0.05,
+              max_model_len=256, max_num_seqs=16, max_num_batched_tokens=64)  # fmt: skip
+    rng = random.Random(1)
+    prompts = [[rng.randrange(1, VOCAB) for _ in range(n)] for n in (5, 40, 150, 7, 90, 12)]
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True),
+        SamplingParams(temperature=0.8, top_k=20, top_p=0.9, seed=1, max_tokens=12, ignore_eos=True),
+        SamplingParams(temperature=1.0, min_p=0.1, seed=2, max_tokens=12, ignore_eos=True),
+        SamplingParams(
+            temperature=0.9,
+            n=2,
+            seed=3,
+            max_tokens=12,
+            ignore_eos=True,
+            repetition_penalty=1.2,
+            frequency_penalty=0.5,
+            logit_bias={7: 3.0},
+        ),
+        SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=2, prompt_logprobs=1),
+        SamplingParams(temperature=0.7, max_tokens=12, ignore_eos=True),  # the engine's own generator
+    ]
+    expected = whole(llm, prompts, params)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        got = whole(llm, prompts, params)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert [[len(c[0]) for c in o[:-1]] for o in got] == [[12] * p.n for p in params]
+    if deterministic:  # batch-invariant, so the prefix cache's hits the second time change no token
+        assert got[:-1] == expected[:-1]  # the last, unseeded, draws other tokens the second time
