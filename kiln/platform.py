@@ -52,13 +52,21 @@ def native_matmul_dtypes(device: torch.device) -> set[torch.dtype]:
     return native
 
 
-def configure_torch() -> None:
+def configure_torch(native_isa: bool = False) -> None:
     """The process-wide torch settings kiln needs, set before anything is compiled.
 
     - dynamo's recompile limit: its compile cache is per code object and shared by the whole process, and
       a process may build many models (the tests do); each lowering's graphs are its own code object's,
-      but the shared paged-decode kernel sees every model's shapes."""
+      but the shared paged-decode kernel sees every model's shapes.
+    - native_isa: kiln's CPU kernels were built with -march=native by the compiler Inductor uses (cxx), so
+      it takes every vector ISA the CPU reports. Inductor then skips proving it again, which it does in
+      every process by loading a probe library per ISA in a Python subprocess: 0.5-0.9 s of a 7 s warm
+      start (BENCHMARKS.md). AMX is still probed, as Linux must grant its tile state."""
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+    if native_isa:
+        from torch._inductor import config
+
+        config.cpp.vec_isa_ok = True
 
 
 @functools.cache

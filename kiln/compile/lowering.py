@@ -88,7 +88,7 @@ class Lowering:
         self.graphs = CudaGraphs() if self.mode == "cudagraph" else None
         self._run_layers: LayerGroups | None = None
         if self.mode in ("compiled", "cudagraph"):
-            configure_torch()
+            configure_torch(native_isa=backend.kernels == "cpu")
             # A copy of the function with its own code object gets its own dynamo cache: this model's
             # graphs never mix with another model's in the same process (see __call__'s guard skipping).
             fn = run_layers
