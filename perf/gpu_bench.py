@@ -220,6 +220,7 @@ def serve_start(path: Path, cache_dir: Path, log_path: Path) -> dict[str, float]
     """`kiln serve` in a fresh process: seconds until /health answers 200, then one streamed request's
     time to first token, then SIGTERM."""
     env = {**os.environ, "KILN_CACHE_DIR": str(cache_dir)}
+    cache_dir.mkdir(parents=True, exist_ok=True)
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
@@ -230,7 +231,7 @@ def serve_start(path: Path, cache_dir: Path, log_path: Path) -> dict[str, float]
         "kiln",
         "serve",
         "--model",
-        str(path),
+        str(path.resolve()),
         "--port",
         str(port),
         "--max-model-len",
@@ -240,7 +241,9 @@ def serve_start(path: Path, cache_dir: Path, log_path: Path) -> dict[str, float]
     ]
     clock = time.perf_counter()
     with log_path.open("ab") as out:
-        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT)
+        # Not from the repository root: there `-m kiln` imports the checkout's kiln before PYTHONPATH's,
+        # and an A/B run's other tree (gpu_check.sh's AB) would not be the one that starts.
+        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, cwd=cache_dir)
     try:
         while True:
             if proc.poll() is not None:
