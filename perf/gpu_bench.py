@@ -11,11 +11,13 @@ one invocation share the random model folders):
 - each phase but copy also runs transformers (static cache + torch.compile) in the same run, unless
   --skip-hf;
 - --deterministic runs kiln's side in its batch-invariant mode (backend.deterministic), so its cost shows
-  against a default run.
+  against a default run;
+- --kernels torch runs batch1's and throughput's kiln with torch's reference ops around attention, which
+  Inductor fuses with their neighbours, against Triton's opaque kernels (auto).
 
     python perf/gpu_bench.py --out results.json --phases copy batch1 throughput startup [--skip-hf]
         [--models DIR]  # keep the random models, so a run of another kiln tree measures the same ones
-        [--deterministic]
+        [--deterministic] [--no-async-scheduling] [--kernels {auto,triton,torch}]
 """
 
 from __future__ import annotations
@@ -47,7 +49,8 @@ from kiln import LLM, SamplingParams
 log = logging.getLogger("gpu_bench")
 
 PHASES = ("copy", "batch1", "throughput", "startup")
-KILN_OPTIONS: dict[str, bool] = {}  # engine options every kiln run takes (main sets them from the flags)
+# Engine options every kiln run takes (main sets them from the flags).
+KILN_OPTIONS: dict[str, bool | str] = {}
 
 LLAMA3_8B = dict(
     hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
@@ -368,8 +371,16 @@ def main() -> None:
     parser.add_argument(
         "--no-async-scheduling", action="store_true", help="schedule one step at a time (for an A/B)"
     )
+    parser.add_argument(
+        "--kernels",
+        choices=["auto", "triton", "torch"],
+        default="auto",
+        help="backend.kernels, not startup's",
+    )
     args = parser.parse_args()
     KILN_OPTIONS["deterministic"] = args.deterministic
+    if args.kernels != "auto":
+        KILN_OPTIONS["kernels"] = args.kernels  # startup's kiln serve keeps auto
     if args.no_async_scheduling:
         KILN_OPTIONS["async_scheduling"] = False
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
@@ -382,6 +393,7 @@ def main() -> None:
         "phases": args.phases,
         "deterministic": args.deterministic,
         "async_scheduling": not args.no_async_scheduling,
+        "kernels": args.kernels,
         "out": str(args.out),
     }
 
