@@ -161,8 +161,13 @@ class Lowering:
         # loops' threading for a decode's few rows, and runs a loop on one thread where that looks small.
         # That keeps a decode's kernels off thread start-ups, which cost a batch-64 step more than they
         # saved (BENCHMARKS.md, twelfth steps); RoPE, the one such loop that cost a prefill much, is kiln's
-        # own kernel on the CPU, split by the step's rows (kiln/ops/cpu/rotary.py).
-        out.append((Bucket("tokens", t[-1]), f"mixed 2..{t[-1]} tokens"))
+        # own kernel on the CPU, split by the step's rows (kiln/ops/cpu/rotary.py). So the smallest mixed
+        # step finds that graph as the largest would, in a fraction of the time (a 2,048-token step cost
+        # the default model's start 0.9 s). Without a decode 2.. graph (one sequence at a time), mixed steps
+        # get a graph of their own, traced at the largest bucket: a prefill's loops then split across
+        # threads.
+        mixed = t[-1] if d[-1] == 1 else t[0]
+        out.append((Bucket("tokens", mixed), f"mixed 2..{t[-1]} tokens"))
         return out
 
     def __call__(self, num_tokens: int, decode_only: bool, *args: Any) -> torch.Tensor:
