@@ -140,7 +140,7 @@ class FlashInferAttention:
         # plan() reads the page pointers and lengths on the host and copies them from pinned memory without a
         # sync; host page indices it would copy into a CUDA-graph wrapper's buffer blocking (a sync), so they
         # go to the device first.
-        host = [pinned(indptr), to_device(indices, None, self.device), pinned(last_page_len)]
+        paged = [pinned(indptr), to_device(indices, None, self.device), pinned(last_page_len)]
         # The KV lengths, as FlashInfer would compute them from the pages: given pinned, the prefill plan's
         # copy of them is queued too.
         kv_lens = pinned(((pages - 1) * self.block_size + last_page_len).astype(np.int32))
@@ -157,18 +157,18 @@ class FlashInferAttention:
         if self.deterministic:
             self._active = self._graph_prefill(len(lens)) if layout.graph else self.prefill
             self._active.plan(
-                qo_indptr, *host, head_dim_qk=self.head_dim, causal=True, disable_split_kv=True,
+                qo_indptr, *paged, head_dim_qk=self.head_dim, causal=True, disable_split_kv=True,
                 seq_lens=kv_lens, **common,
             )  # fmt: skip
             return
         if layout.decode_only:
             batch = len(lens)
             self._active = self._graph_wrapper(batch) if layout.graph else self.decode
-            self._active.plan(*host, head_dim=self.head_dim, **common)
+            self._active.plan(*paged, head_dim=self.head_dim, **common)
             return
         self._active = self.prefill
         self.prefill.plan(
-            qo_indptr, *host, head_dim_qk=self.head_dim, causal=True, seq_lens=kv_lens, **common
+            qo_indptr, *paged, head_dim_qk=self.head_dim, causal=True, seq_lens=kv_lens, **common
         )
 
     def forward(
