@@ -2,9 +2,9 @@
 # kiln's GPU checks in one run on an offline GPU machine, within a deadline. Prepare .gpu/ with
 # perf/gpu_prepare.sh (and put the cache parts the last run returned in .gpu/cache), then, from the root:
 #   bash perf/gpu_check.sh TOTAL_S "TEST_FILES|all|" "BENCH_PHASES" [BENCH_ARGS...]   ("" runs no test)
-# It unpacks .gpu/site.tar.xz at a fixed path (so ninja's commands and FlashInfer's header mtimes match the carried
-# cache), restores KILN_CACHE_DIR from .gpu/cache, builds FlashInfer's modules in one parallel run, runs
-# tests/gpu file by file, then perf/gpu_bench.py's phases, and packs logs and the cache (object files
+# It unpacks .gpu/site.tar.xz at a fixed path (so ninja's commands and FlashInfer's header mtimes match the
+# carried cache), restores KILN_CACHE_DIR from .gpu/cache, builds FlashInfer's modules in one parallel run,
+# runs tests/gpu file by file, then perf/gpu_bench.py's phases, and packs logs and the cache (object files
 # emptied, mtimes kept, so ninja finds them up to date) under $OUT.
 # Env: E2E_S and BENCH_S cap test_end_to_end and the benchmark; LATE_TESTS run after the benchmark;
 # NOPACK=1 skips packing the cache (gzipped, its inductor part outgrew what a run may return once the 8B

@@ -254,7 +254,7 @@ class LLMEngine:
         from the step before, landed while this one runs."""
         outputs: list[RequestOutput] = []
         last, self.in_flight = self.in_flight, None
-        if last is not None and any(r.grammar is not None for r in last.sampled):
+        if last is not None and last.constrained:
             outputs = self.output.process(last, final_only)  # the next bitmasks need these tokens
             last = None
         batch = self.scheduler.schedule()
