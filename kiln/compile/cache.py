@@ -1,7 +1,8 @@
 """The persistent compile cache: one entry per key under `<KILN_CACHE_DIR>/compile/<key>/`.
 
-An entry holds torch's portable cache artifacts (`torch.compiler.save_cache_artifacts`) and a manifest
-naming each file with its size and sha256. Inductor's and Triton's own caches live under the same root.
+An entry holds torch's portable cache artifacts (`torch.compiler.save_cache_artifacts`), each graph class's
+precompiled layer step (`graph-<class>.bin`, kiln/compile/precompiled.py) and a manifest naming each file
+with its size and sha256. Inductor's and Triton's own caches live under the same root.
 Entries are written into a temporary folder and renamed into place while holding a per-key file lock,
 so a reader never sees half an entry and two processes warming one key take turns."""
 
@@ -32,6 +33,7 @@ log = logging.getLogger(__name__)
 
 ARTIFACTS = "artifacts.bin"
 MANIFEST = "manifest.json"
+GRAPH = "graph-{}.bin"
 # Build caches an export carries besides torch's artifacts: FlashInfer's JIT modules (with ninja's logs,
 # so a machine with the same paths finds them up to date), Triton's kernels launched outside Inductor, and
 # kiln's CPU kernels.
@@ -138,14 +140,25 @@ class CompileCache:
         shutil.rmtree(self.dir, ignore_errors=True)
         return False
 
-    def save(self, report: list[dict[str, Any]]) -> None:
-        """Writes this process's compile artifacts as the entry, atomically. Call with the lock held.
-        Nothing to save only costs the next start its compile time, so it warns rather than fails."""
+    def graphs(self) -> dict[str, bytes]:
+        """A loaded entry's precompiled graphs, by graph class."""
+        files = json.loads((self.dir / MANIFEST).read_text())["files"]
+        prefix, suffix = GRAPH.split("{}")
+        return {
+            name[len(prefix) : -len(suffix)]: (self.dir / name).read_bytes()
+            for name in files
+            if name.startswith(prefix) and name.endswith(suffix)
+        }
+
+    def save(self, report: list[dict[str, Any]], graphs: dict[str, bytes]) -> None:
+        """Writes this process's compile artifacts and the precompiled graphs as the entry, atomically.
+        Call with the lock held. Nothing to save only costs the next start its compile time, so it warns
+        rather than fails."""
         saved = torch.compiler.save_cache_artifacts()
         if saved is None:
             log.warning("torch recorded no compile artifacts: compile cache entry %s not written", self.key)
             return
-        self._install({ARTIFACTS: saved[0]}, report)
+        self._install({ARTIFACTS: saved[0]} | {GRAPH.format(n): data for n, data in graphs.items()}, report)
 
     def _install(self, blobs: dict[str, bytes], report: list[dict[str, Any]]) -> None:
         self.dir.parent.mkdir(parents=True, exist_ok=True)
@@ -171,7 +184,8 @@ class CompileCache:
         tmp = dest.with_name(dest.name + ".tmp")
         with zipfile.ZipFile(tmp, "w") as z:
             z.write(self.dir / MANIFEST, MANIFEST)
-            z.write(self.dir / ARTIFACTS, ARTIFACTS)
+            for name in json.loads((self.dir / MANIFEST).read_text())["files"]:
+                z.write(self.dir / name, name)
             for build in _BUILDS:
                 for path in sorted((self.root / build).rglob("*")):
                     if path.is_file() and not path.is_symlink():
@@ -184,7 +198,7 @@ class CompileCache:
         try:
             z = zipfile.ZipFile(src)
             manifest = json.loads(z.read(MANIFEST))
-            data = z.read(ARTIFACTS)
+            blobs = {name: z.read(name) for name in manifest["files"]}
         except FileNotFoundError:
             raise CacheError(f"{src}: no such file") from None
         except (zipfile.BadZipFile, KeyError, ValueError) as e:
@@ -194,11 +208,12 @@ class CompileCache:
                 theirs = manifest.get("parts", {})
                 diff = sorted(k for k in set(theirs) | set(self.parts) if theirs.get(k) != self.parts.get(k))
                 raise CacheError(f"{src} was built for a different setup (differs in: {', '.join(diff)})")
-            if hashlib.sha256(data).hexdigest() != manifest["files"][ARTIFACTS]["sha256"]:
-                raise CacheError(f"{src}: artifacts do not match their checksum")
+            for name, data in blobs.items():
+                if hashlib.sha256(data).hexdigest() != manifest["files"][name]["sha256"]:
+                    raise CacheError(f"{src}: {name} does not match its checksum")
             with self.lock():
                 self._unpack_builds(z, [i for i in z.infolist() if i.filename.split("/")[0] in _BUILDS])
-                self._install({ARTIFACTS: data}, manifest.get("buckets", []))
+                self._install(blobs, manifest.get("buckets", []))
 
     def _unpack_builds(self, z: zipfile.ZipFile, infos: list[zipfile.ZipInfo]) -> None:
         """Writes the export's build caches under the root with their recorded times: ninja rebuilds

@@ -1,6 +1,6 @@
 """How the lowering calls the compiled layer stack: in equal groups of consecutive layers (group_size),
-each group one call of the compiled `run_layers`, with the step-dependent dims marked dynamic while it
-traces (StepDims)."""
+each group one call of a compiled `run_layers`, whose trace marks the step-dependent dims dynamic
+(mark_step_dims)."""
 
 from __future__ import annotations
 
@@ -22,43 +22,39 @@ def group_size(num_layers: int, calls: int = 5) -> int:
 class LayerGroups:
     """Runs the layer stack as consecutive groups of `size` layers, one compiled call per group."""
 
-    def __init__(self, step: StepDims, size: int) -> None:
+    def __init__(self, step: Callable[..., Any], size: int) -> None:
         self.step, self.size = step, size
 
-    def __call__(self, *args: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        return self._run(self.step, *args)
-
-    def ready(self, *args: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        """Once ready: the compiled step without marking dims (nothing traces any more)."""
-        return self._run(self.step.step, *args)
-
-    def _run(
-        self, step: Callable[..., Any], layers: tuple[torch.nn.Module, ...], x: torch.Tensor,
-        residual: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor | None,
-        kv_caches: tuple[torch.Tensor, ...], meta: Any,
+    def __call__(
+        self, layers: tuple[torch.nn.Module, ...], x: torch.Tensor, residual: torch.Tensor,
+        positions: torch.Tensor, cos_sin: torch.Tensor | None, kv_caches: tuple[torch.Tensor, ...], meta: Any,
     ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
         n = self.size
         for i in range(0, len(layers), n):
-            x, residual = step(layers[i : i + n], x, residual, positions, cos_sin, kv_caches[i : i + n], meta)
+            x, residual = self.step(
+                layers[i : i + n], x, residual, positions, cos_sin, kv_caches[i : i + n], meta
+            )
         return x, residual
 
 
-class StepDims:
-    """Runs the compiled group of layers with only the step-dependent dims marked dynamic, as DecoderLayer
-    declares them (STEP_DIMS, by forward's parameter names, which run_layers shares). Leaving every dim
-    dynamic (dynamic=True) also made the KV cache's and weights' dims symbolic, and tracing spent most of
-    its time on them."""
+def _step_marks() -> list[tuple[int, str | None, int]]:
+    """(argument after the layers, its field or None, dim) for each of DecoderLayer.STEP_DIMS, by forward's
+    parameter names, which run_layers shares."""
+    names = list(inspect.signature(DecoderLayer.forward).parameters)[1:]  # after self
+    marks = []
+    for name, dims in DecoderLayer.STEP_DIMS.items():
+        fields = dims.items() if isinstance(dims, dict) else [(None, dims)]
+        marks += [(names.index(name), f, dim) for f, f_dims in fields for dim in f_dims]
+    return marks
 
-    def __init__(self, step: Callable[..., Any]) -> None:
-        self.step = step
-        names = list(inspect.signature(DecoderLayer.forward).parameters)[1:]  # after self
-        self.marks: list[tuple[int, str | None, int]] = []  # (argument, its field or None, dim)
-        for name, dims in DecoderLayer.STEP_DIMS.items():
-            fields = dims.items() if isinstance(dims, dict) else [(None, dims)]
-            self.marks += [(names.index(name), f, dim) for f, f_dims in fields for dim in f_dims]
 
-    def __call__(self, layers: tuple[torch.nn.Module, ...], *args: Any) -> Any:
-        for index, field, dim in self.marks:
-            value = args[index] if field is None else getattr(args[index], field)
-            torch._dynamo.maybe_mark_dynamic(value, dim)
-        return self.step(layers, *args)
+_MARKS = _step_marks()
+
+
+def mark_step_dims(args: tuple[Any, ...]) -> None:
+    """Marks only the step-dependent dims of the layer step's arguments (after the layers) dynamic, for the
+    trace. Leaving every dim dynamic (dynamic=True) also made the KV cache's and weights' dims symbolic, and
+    tracing spent most of its time on them."""
+    for index, field, dim in _MARKS:
+        value = args[index] if field is None else getattr(args[index], field)
+        torch._dynamo.maybe_mark_dynamic(value, dim)

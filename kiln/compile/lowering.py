@@ -1,21 +1,23 @@
 """How the model's forward runs: eagerly, or lowered by torch.compile (and captured into CUDA graphs), with
 the per-bucket warmup that builds every graph before serving, through the compile cache. The lowering owns
-its graphs: it pads each step to the shape a graph was built for, and keys the cache by everything the
-graphs depend on. It wraps the model without changing it: the model's forward takes what runs its layers.
+its graphs: it pads each step to the shape a graph was built for, picks the graph, and keys the cache by
+everything the graphs depend on. It wraps the model without changing it: the model's forward takes what runs
+its layers.
 
 CPU lowering: the decoder layers are compiled in equal groups of consecutive layers, at most five calls
-a step (30 layers: 5 groups of 6). The layers' weights are graph inputs, so dynamo traces one group and
-every group of the same layers reuses its graph; on CUDA, a group is one layer. The token dimension is
-dynamic. Dynamo specializes size 1, so there are three graph classes: a batch of one, a decode batch of
-any other size, and a mixed batch. Warmup runs one bucket of each class; every other bucket shares those
-graphs (BENCHMARKS.md has the static-per-bucket comparison that chose this)."""
+a step (30 layers: 5 groups of 6). The layers' weights are graph inputs, so one trace serves every group of
+the same layers; on CUDA, a group is one layer. The token dimension is dynamic. Dynamo specializes size 1,
+so there are three graph classes (precompiled.graph_class): a decode batch of one, a decode batch of any
+other size, and a mixed batch. Warmup runs one bucket of each class; every other bucket shares its class's
+graph (BENCHMARKS.md has the static-per-bucket comparison that chose this). Each class is traced once, ahead
+of time, and saved with the cache entry, so a warm start traces nothing (precompiled.py)."""
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import time
-import types
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -31,7 +33,8 @@ from kiln.compile.buckets import Bucket, BucketPlan
 from kiln.compile.buffers import StepBuffers
 from kiln.compile.cache import CompileCache, environment
 from kiln.compile.cudagraph import CudaGraphs
-from kiln.compile.groups import LayerGroups, StepDims, group_size
+from kiln.compile.groups import LayerGroups, group_size
+from kiln.compile.precompiled import GraphStep, compile_layers, graph_class
 from kiln.models.decoder import DecoderModel, run_layers
 from kiln.ops.backend import Backend
 from kiln.platform import configure_torch, describe, has_cxx
@@ -44,7 +47,10 @@ class BucketReport:
     bucket: str
     covers: str  # the step sizes that run this bucket's graph
     seconds: float
-    source: str  # "compiled", "cache" (loaded from the compile cache) or "shared" (an earlier bucket's graph)
+    # "compiled" (traced, and compiled by Inductor), "cache" (traced, Inductor's code from its cache),
+    # "precompiled" (loaded from the compile cache entry: nothing traced), "shared" (an earlier bucket's
+    # graph) or "eager"
+    source: str
 
     def as_dict(self) -> dict[str, str | float]:
         return {"bucket": self.bucket, "covers": self.covers, "seconds": self.seconds, "source": self.source}
@@ -86,33 +92,29 @@ class Lowering:
         if self.mode == "cudagraph" and not cuda:
             raise ValueError("compile mode 'cudagraph' needs a CUDA device; use 'compiled' or 'eager'")
         self.graphs = CudaGraphs() if self.mode == "cudagraph" else None
-        self._run_layers: LayerGroups | None = None
+        self._compiled: Callable[..., Any] | None = None
+        self.group = 1
         if self.mode in ("compiled", "cudagraph"):
             configure_torch(native_isa=backend.kernels == "cpu")
-            # A copy of the function with its own code object gets its own dynamo cache: this model's
-            # graphs never mix with another model's in the same process (see __call__'s guard skipping).
-            fn = run_layers
-            own = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__)
-            # On the CPU a layer's graph runs through a C++ wrapper: the Python one spent longer calling the
-            # kernels and checking their arguments than the elementwise kernels take.
-            options = None if cuda else {"cpp_wrapper": True}
-            compiled = torch.compile(own, dynamic=False, fullgraph=True, options=options)
+            self._compiled = compile_layers(run_layers, cuda)
             # On the CPU several layers share a graph: one call per layer cost more than a third of a
             # batch-1 step in dynamo's and the wrapper's per-call work (BENCHMARKS.md, eighth steps).
-            size = 1 if cuda else group_size(model.dims.num_layers)
-            self._run_layers = LayerGroups(StepDims(compiled), size)
+            self.group = 1 if cuda else group_size(model.dims.num_layers)
+        self.steps: dict[str, GraphStep] = {}  # by graph class: warmup makes them, serving only runs them
         self.ready = False
-        self.misses = 0  # steps after ready that matched no warmed graph (each ran eagerly, never compiled)
+        self.misses = 0  # steps after ready whose graph class was never warmed (each ran eagerly)
         self.compile_cache: CompileCache | None = None
         self._warned_outside = False
-        self._skip_guards = True
 
-    def forward(self, *args: Any) -> torch.Tensor:
-        """The model's forward, with the compiled layer step where there is one (no guard stance)."""
-        if self._run_layers is None:
+    def forward(self, graph: str, *args: Any) -> torch.Tensor:
+        """The model's forward, with the compiled layer step of the graph class where there is one; before
+        ready, a class's first step makes it (loaded or traced)."""
+        if self._compiled is None:
             return self.model(*args)
-        # Dims are marked for tracing only: once ready, nothing traces (a miss runs eagerly).
-        return self.model(*args, run=self._run_layers.ready if self.ready else self._run_layers)
+        step = self.steps.get(graph)
+        if step is None:
+            step = self.steps[graph] = GraphStep(self._compiled)
+        return self.model(*args, run=LayerGroups(step, self.group))
 
     def pad(self, buf: StepBuffers, num_tokens: int, num_reqs: int, decode_only: bool) -> PaddedStep:
         """Pads the step in buf to a shape a graph serves.
@@ -170,14 +172,21 @@ class Lowering:
         out.append((Bucket("tokens", mixed), f"mixed 2..{t[-1]} tokens"))
         return out
 
+    def _graph_class(self, num_tokens: int, decode_only: bool) -> str:
+        return graph_class(num_tokens, decode_only, self.model.attention.own_decode_graph)
+
     def __call__(self, num_tokens: int, decode_only: bool, *args: Any) -> torch.Tensor:
+        graph = self._graph_class(num_tokens, decode_only)
         if self.graphs is not None and decode_only and num_tokens in self.graphs.captured:
             return self.graphs.replay(num_tokens, args)
         if self.graphs is not None and decode_only and not self.ready:
-            return self.graphs.capture(num_tokens, self.forward, args)
-        if not self.ready:
-            return self.forward(*args)
-        if self.plan.bucket(num_tokens, decode_only) is None:
+            return self.graphs.capture(num_tokens, functools.partial(self.forward, graph), args)
+        if not self.ready or self._compiled is None:
+            return self.forward(graph, *args)
+        if self.plan.bucket(num_tokens, decode_only) is None or graph not in self.steps:
+            # Once serving nothing is traced: a step outside the buckets, or of a class warmup never ran
+            # (a decode of one where no bucket has size 1), runs eagerly.
+            self.misses += graph not in self.steps
             if not self._warned_outside:
                 log.warning(
                     "a %s step of %d tokens is outside the compiled buckets: running it eagerly "
@@ -186,27 +195,8 @@ class Lowering:
                     num_tokens,
                 )
                 self._warned_outside = True
-            with torch.compiler.set_stance("force_eager"):
-                return self.forward(*args)
-        # Once serving, a guard that would need a new graph runs eagerly instead of compiling; and only
-        # the guards that tell the warmed graphs apart are evaluated (per layer call, the full set cost
-        # more than the layer's own elementwise work on the CPU). Should a step still miss every graph,
-        # that stance raises before or between layers. A forward is idempotent (it writes the same KV
-        # slots with the same values), so the step reruns with every guard checked, and so do later
-        # ones; an error that was not a miss raises again there.
-        if not self._skip_guards:
-            with torch.compiler.set_stance("eager_on_recompile"):
-                return self.forward(*args)
-        try:
-            with torch.compiler.set_stance("eager_on_recompile", skip_guard_eval_unsafe=True):
-                return self.forward(*args)
-        except RuntimeError as miss:
-            with torch.compiler.set_stance("eager_on_recompile"):
-                out = self.forward(*args)
-            log.warning("a step matched no warmed graph; checking every guard from now on: %s", miss)
-            self.misses += 1
-            self._skip_guards = False
-            return out
+            return self.model(*args)
+        return self.forward(graph, *args)
 
     def cache_parts(self, block_size: int) -> dict[str, Any]:
         """Everything the compiled graphs depend on: a change to any part is a different cache entry."""
@@ -221,6 +211,7 @@ class Lowering:
                 "mode": self.mode,
                 "backend": [self.backend.kernels, self.backend.attention]
                 + (["deterministic"] if self.backend.deterministic else []),
+                "attention_graph_id": m.attention.graph_id,
                 "decode_sizes": self.plan.decode_sizes,
                 "token_sizes": self.plan.token_sizes,
                 "block_size": block_size,
@@ -231,34 +222,47 @@ class Lowering:
         self, run: Callable[[Bucket], None], block_size: int, progress: bool, cache_file: Path | None = None
     ) -> list[BucketReport]:
         """Builds every graph before the first request, through the compile cache: a complete entry is
-        loaded first, so Inductor finds each graph instead of compiling it; a missing or corrupt one is
-        (re)built and saved. The per-key lock makes concurrent warmups of one key take turns. `run` runs
-        one step of a bucket's shape."""
+        loaded first, its precompiled graph classes into steps, and Inductor's code into its caches; a
+        missing or corrupt one is (re)built and saved. The per-key lock makes concurrent warmups of one key
+        take turns. `run` runs one step of a bucket's shape."""
         cache = self.compile_cache = CompileCache(self.cache_parts(block_size))
         if cache_file is not None:
             cache.import_file(cache_file)
         with cache.lock():
             loaded = cache.load()
+            if loaded and self._compiled is not None:
+                self.steps = {name: GraphStep(self._compiled, data) for name, data in cache.graphs().items()}
             reports = self._warm(run, progress)
-            if not loaded and any(r.source != "shared" for r in reports):
-                cache.save([r.as_dict() for r in reports])
+            if not loaded and any(r.source in ("compiled", "cache") for r in reports):
+                saved = {name: step.save() for name, step in self.steps.items()}
+                graphs = {name: data for name, data in saved.items() if data is not None}
+                cache.save([r.as_dict() for r in reports], graphs)
         return reports
 
     def _warm(self, run: Callable[[Bucket], None], progress: bool) -> list[BucketReport]:
-        """Runs one step per graph class, timing each and asking Inductor's counters whether it compiled,
-        loaded from the cache, or reused a graph built earlier in this process."""
-        reports = []
+        """Runs one step per graph class, timing each and telling whether its graph was loaded, traced
+        (then whether Inductor compiled it or found it in its cache: its own counters say), or built by an
+        earlier bucket."""
+        reports, warmed = [], set()
         buckets = self.warm_buckets()
         with _no_duck_shapes():
             for bucket, covers in tqdm(buckets, desc="warmup", unit="bucket", disable=not progress):
+                graph = self._graph_class(bucket.size, bucket.kind == "decode")
                 before = compile_counters()
                 clock = time.perf_counter()
                 run(bucket)
                 seconds = time.perf_counter() - clock
                 after = compile_counters()
-                compiled = after["fxgraph_cache_miss"] > before["fxgraph_cache_miss"]
-                loaded = after["fxgraph_cache_hit"] > before["fxgraph_cache_hit"]
-                source = "compiled" if compiled else "cache" if loaded else "shared"
+                if self._compiled is None:
+                    source = "eager"
+                elif graph in warmed:
+                    source = "shared"
+                elif self.steps[graph].loaded:
+                    source = "precompiled"
+                else:  # traced: a precompiled trace never looks in Inductor's cache, a plain one may
+                    hit = any(after[k] > before[k] for k in ("fxgraph_cache_hit", "autograd_cache_hit"))
+                    source = "cache" if hit else "compiled"
+                warmed.add(graph)
                 reports.append(BucketReport(str(bucket), covers, seconds, source))
                 log.info("bucket %s (%s): %s in %.2f s", bucket, covers, source, seconds)
         self.ready = True

@@ -62,7 +62,13 @@ def table_width(max_model_len: int, block_size: int) -> int:
 class AttentionImpl(Protocol):
     """Implementations of DESIGN.md's attention seam. `plan` runs once per step, before the forward and
     outside any graph; `forward` runs once per layer, inside the compiled layer graph (an implementation
-    that can't be traced is a custom op, so each layer stays one graph)."""
+    that can't be traced is a custom op, so each layer stays one graph). `graph_id`: the number the compiled
+    graphs name this instance by, where its op finds it by one (0 where they name none); the compile cache
+    keys by it. `own_decode_graph`: forward traces decode-only steps differently, so mixed steps need a
+    graph of their own."""
+
+    graph_id: int
+    own_decode_graph: bool
 
     def plan(self, layout: StepLayout) -> None: ...
 
@@ -80,6 +86,9 @@ class AttentionImpl(Protocol):
 
 class TorchAttention:
     """The reference backend: runs anywhere, and traces into the compiled layer graphs."""
+
+    graph_id = 0
+    own_decode_graph = True
 
     def plan(self, layout: StepLayout) -> None:
         pass

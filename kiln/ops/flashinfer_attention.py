@@ -47,6 +47,8 @@ class FlashInferAttention:
     """forward is one custom op, opaque to dynamo but no graph break: each layer stays one graph. (A
     graph break left resume functions with static shapes, which recompiled for each new step size.)"""
 
+    own_decode_graph = False  # the same op for every step; plan() tells decode from mixed
+
     def __init__(
         self,
         num_heads: int,
@@ -88,8 +90,8 @@ class FlashInferAttention:
         # plan() stages its tables in pinned host buffers that the device copies from later. Under async
         # scheduling the next plan comes while the last step still runs: it waits for those copies first.
         self._planned = torch.cuda.Event()
-        self.id = next(_IDS)
-        _LIVE[self.id] = self
+        self.graph_id = next(_IDS)
+        _LIVE[self.graph_id] = self
 
     def _graph_wrapper(self, batch: int) -> flashinfer.BatchDecodeWithPagedKVCacheWrapper:
         if batch not in self.graph_decode:
@@ -181,7 +183,7 @@ class FlashInferAttention:
         scale: float,
         sliding_window: int,
     ) -> torch.Tensor:
-        return flashinfer_attention(q, k, v, kv_cache, meta.slot_mapping, self.id)
+        return flashinfer_attention(q, k, v, kv_cache, meta.slot_mapping, self.graph_id)
 
 
 @torch.library.custom_op("kiln::flashinfer_attention", mutates_args=("kv_cache",))
