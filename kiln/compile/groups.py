@@ -49,12 +49,16 @@ def _step_marks() -> list[tuple[int, str | None, int]]:
 
 
 _MARKS = _step_marks()
+_KV_CACHES = list(inspect.signature(DecoderLayer.forward).parameters).index("kv_cache") - 1
 
 
 def mark_step_dims(args: tuple[Any, ...]) -> None:
-    """Marks only the step-dependent dims of the layer step's arguments (after the layers) dynamic, for the
-    trace. Leaving every dim dynamic (dynamic=True) also made the KV cache's and weights' dims symbolic, and
+    """Marks the step-dependent dims of the layer step's arguments (after the layers) dynamic, for the
+    trace, and the KV caches' blocks, whose number the memory left decides at each start: one graph serves
+    any cache size. Leaving every dim dynamic (dynamic=True) also made the weights' dims symbolic, and
     tracing spent most of its time on them."""
     for index, field, dim in _MARKS:
         value = args[index] if field is None else getattr(args[index], field)
         torch._dynamo.maybe_mark_dynamic(value, dim)
+    for cache in args[_KV_CACHES]:
+        torch._dynamo.maybe_mark_dynamic(cache, 0)

@@ -56,6 +56,8 @@ class GraphStep:
         if self.fn is None:
             mark_step_dims(args)
             self.fn = self.compiled.aot_compile(((layers, *args), {}))
+            # It has no guards to check, and checking binds the arguments to a signature every call.
+            self.fn.disable_guard_check()
         return self.fn(layers, *args)
 
     def _load(self) -> Callable[..., Any] | None:
@@ -66,6 +68,7 @@ class GraphStep:
         except Exception as e:  # an entry torch cannot read is traced again, never fatal
             log.warning("a precompiled graph did not load (%s); tracing it again", e)
             return None
+        fn.disable_guard_check()
         self.loaded = True
         return fn
 

@@ -19,6 +19,7 @@ from kiln.compile.cache import environment, source_hash
 from kiln.ops.cpu import native
 from kiln.paths import cache_root
 from tests.api.server import start_server
+from tests.compile import start
 from tests.models.tiny import build
 
 MODE = ["--compile-mode", "compiled"]
@@ -96,6 +97,25 @@ def test_second_start_recompiles_nothing_and_an_export_loads_elsewhere(tiny: Pat
     landed = tmp_path / "elsewhere" / built.relative_to(cache)
     assert landed.read_bytes() == built.read_bytes()
     assert abs(landed.stat().st_mtime - 1_700_000_000) <= 2  # zip keeps times to 2 s
+
+
+@pytest.mark.parametrize("attention", ["cpu", "torch"])
+def test_a_precompiled_start_traces_nothing_and_generates_what_the_first_did(
+    attention: str, tiny: Path, tmp_path: Path
+) -> None:
+    cache = seeded(tmp_path / "cache")
+    options = {"mode": "compiled", "attention": attention, "kv_cache_gib": 0.01, "max_num_seqs": 8}
+    cold = start.run(tiny, cache, **options)
+    warm = start.run(tiny, cache, **options)
+    # The torch attention traces decode steps apart, so mixed steps get a graph of their own.
+    classes = ["decode", "decode-1"] + (["mixed"] if attention == "torch" else [])
+    assert sorted(cold["graphs"]) == sorted(warm["graphs"]) == classes
+    assert set(cold["graphs"].values()) == {"traced"} and set(warm["graphs"].values()) == {"loaded"}
+    assert cold["counters"]["dynamo_graphs"] == len(classes)
+    assert set(warm["counters"].values()) == {0}
+    assert (
+        warm["tokens"] == cold["tokens"] == start.run(tiny, cache, **(options | {"mode": "eager"}))["tokens"]
+    )
 
 
 def test_import_of_a_foreign_file_names_it(tiny: Path, tmp_path: Path) -> None:

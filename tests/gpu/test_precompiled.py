@@ -1,0 +1,35 @@
+"""A second start on CUDA loads every graph class its first start traced (the compile cache entry's
+precompiled graphs), traces nothing, and generates what the first did: each start in a process of its own
+(tests/compile/start.py), on a compile cache of its own that shares the FlashInfer modules already built."""
+
+from pathlib import Path
+
+import pytest
+
+from kiln.paths import cache_root
+from tests.compile import start
+from tests.models.tiny import build
+
+
+@pytest.mark.parametrize("head_dim", [16, 128], ids=["torch-attention", "flashinfer"])
+def test_a_precompiled_start_traces_nothing_and_generates_what_the_first_did(
+    head_dim: int, tmp_path: Path
+) -> None:
+    build("llama", tmp_path / "model", head_dim if head_dim != 16 else None)
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    (cache / "flashinfer").symlink_to(cache_root() / "flashinfer", target_is_directory=True)
+    options = {
+        "device": "cuda",
+        "dtype": "bfloat16",
+        "mode": "cudagraph",
+        "kv_cache_gib": 0.05,
+        "max_num_seqs": 8,
+    }
+    cold = start.run(tmp_path / "model", cache, **options)
+    warm = start.run(tmp_path / "model", cache, **options)
+    classes = ["decode", "decode-1"] + (["mixed"] if head_dim == 16 else [])
+    assert sorted(cold["graphs"]) == sorted(warm["graphs"]) == classes
+    assert set(cold["graphs"].values()) == {"traced"} and set(warm["graphs"].values()) == {"loaded"}
+    assert set(warm["counters"].values()) == {0}
+    assert warm["tokens"] == cold["tokens"]
