@@ -31,5 +31,9 @@ def test_a_precompiled_start_traces_nothing_and_generates_what_the_first_did(
     classes = ["decode", "decode-1"] + (["mixed"] if head_dim == 16 else [])
     assert sorted(cold["graphs"]) == sorted(warm["graphs"]) == classes
     assert set(cold["graphs"].values()) == {"traced"} and set(warm["graphs"].values()) == {"loaded"}
-    assert set(warm["counters"].values()) == {0}
+    # The torch attention also compiles its own paged decode (for mixed steps' decode rows) with plain
+    # torch.compile: each process traces that again (Inductor's cache has its code), and only that.
+    nested = cold["counters"]["dynamo_graphs"] - len(classes)
+    assert warm["counters"]["dynamo_graphs"] <= nested and (nested == 0) == (head_dim == 128)
+    assert warm["counters"]["fxgraph_cache_miss"] == warm["counters"]["autograd_cache_miss"] == 0
     assert warm["tokens"] == cold["tokens"]
