@@ -5,7 +5,7 @@ each group one call of a compiled `run_layers`, whose trace marks the step-depen
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -20,20 +20,19 @@ def group_size(num_layers: int, calls: int = 5) -> int:
 
 
 class LayerGroups:
-    """Runs the layer stack as consecutive groups of `size` layers, one compiled call per group."""
+    """Runs the layer stack as consecutive groups of `size` layers, one compiled call per group: each
+    group's own step (groups of different layers have different graphs)."""
 
-    def __init__(self, step: Callable[..., Any], size: int) -> None:
-        self.step, self.size = step, size
+    def __init__(self, steps: Sequence[Callable[..., Any]], size: int) -> None:
+        self.steps, self.size = steps, size
 
     def __call__(
         self, layers: tuple[torch.nn.Module, ...], x: torch.Tensor, residual: torch.Tensor,
         positions: torch.Tensor, cos_sin: torch.Tensor | None, kv_caches: tuple[torch.Tensor, ...], meta: Any,
     ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
         n = self.size
-        for i in range(0, len(layers), n):
-            x, residual = self.step(
-                layers[i : i + n], x, residual, positions, cos_sin, kv_caches[i : i + n], meta
-            )
+        for step, i in zip(self.steps, range(0, len(layers), n), strict=True):
+            x, residual = step(layers[i : i + n], x, residual, positions, cos_sin, kv_caches[i : i + n], meta)
         return x, residual
 
 

@@ -100,7 +100,11 @@ class Lowering:
             # On the CPU several layers share a graph: one call per layer cost more than a third of a
             # batch-1 step in dynamo's and the wrapper's per-call work (BENCHMARKS.md, eighth steps).
             self.group = 1 if cuda else group_size(model.dims.num_layers)
-        self.steps: dict[str, GraphStep] = {}  # by graph class: warmup makes them, serving only runs them
+        self.kinds = _group_kinds(model.layers, self.group)
+        # By graph class, and where groups differ in their layers (MoE and dense), by kind of group as well:
+        # warmup makes them, serving only runs them.
+        self.steps: dict[str, GraphStep] = {}
+        self._runs: dict[str, LayerGroups] = {}  # each graph class's steps, group by group
         self.ready = False
         self.misses = 0  # steps after ready whose graph class was never warmed (each ran eagerly)
         self.compile_cache: CompileCache | None = None
@@ -111,10 +115,20 @@ class Lowering:
         ready, a class's first step makes it (loaded or traced)."""
         if self._compiled is None:
             return self.model(*args)
-        step = self.steps.get(graph)
-        if step is None:
-            step = self.steps[graph] = GraphStep(self._compiled)
-        return self.model(*args, run=LayerGroups(step, self.group))
+        run = self._runs.get(graph)
+        if run is None:
+            run = self._runs[graph] = LayerGroups([self._step(key) for key in self._keys(graph)], self.group)
+        return self.model(*args, run=run)
+
+    def _keys(self, graph: str) -> list[str]:
+        """Each group's step, by graph class and kind of group."""
+        return [graph if len(set(self.kinds)) == 1 else f"{graph}.{kind}" for kind in self.kinds]
+
+    def _step(self, key: str) -> GraphStep:
+        assert self._compiled is not None
+        if key not in self.steps:
+            self.steps[key] = GraphStep(self._compiled)
+        return self.steps[key]
 
     def pad(self, buf: StepBuffers, num_tokens: int, num_reqs: int, decode_only: bool) -> PaddedStep:
         """Pads the step in buf to a shape a graph serves.
@@ -183,10 +197,11 @@ class Lowering:
             return self.graphs.capture(num_tokens, functools.partial(self.forward, graph), args)
         if not self.ready or self._compiled is None:
             return self.forward(graph, *args)
-        if self.plan.bucket(num_tokens, decode_only) is None or graph not in self.steps:
+        unwarmed = graph not in self._runs
+        if self.plan.bucket(num_tokens, decode_only) is None or unwarmed:
             # Once serving nothing is traced: a step outside the buckets, or of a class warmup never ran
             # (a decode of one where no bucket has size 1), runs eagerly.
-            self.misses += graph not in self.steps
+            self.misses += unwarmed
             if not self._warned_outside:
                 log.warning(
                     "a %s step of %d tokens is outside the compiled buckets: running it eagerly "
@@ -257,7 +272,7 @@ class Lowering:
                     source = "eager"
                 elif graph in warmed:
                     source = "shared"
-                elif self.steps[graph].loaded:
+                elif all(step.loaded for step in self._runs[graph].steps):
                     source = "precompiled"
                 else:  # traced: a precompiled trace never looks in Inductor's cache, a plain one may
                     hit = any(after[k] > before[k] for k in ("fxgraph_cache_hit", "autograd_cache_hit"))
@@ -267,6 +282,21 @@ class Lowering:
                 log.info("bucket %s (%s): %s in %.2f s", bucket, covers, source, seconds)
         self.ready = True
         return reports
+
+
+def _group_kinds(layers: torch.nn.ModuleList, size: int) -> list[int]:
+    """For each group of `size` layers, which kind of group it is: groups whose modules differ (a MoE layer
+    and a dense one) trace different graphs."""
+    kinds: dict[tuple[str, ...], int] = {}
+    out = []
+    for i in range(0, len(layers), size):
+        structure = tuple(
+            f"{name}:{type(m).__name__}"
+            for layer in layers[i : i + size]
+            for name, m in layer.named_modules()
+        )
+        out.append(kinds.setdefault(structure, len(kinds)))
+    return out
 
 
 @contextmanager

@@ -1,6 +1,7 @@
 """One start of kiln in a process of its own: `python -m tests.compile.start MODEL OPTIONS_JSON` warms up,
 generates greedily through every graph class, and prints JSON: the tokens, how each graph class was made
-("loaded" from the compile cache entry, or "traced"), and torch's compile counters after generating."""
+("loaded" from the compile cache entry, or "traced"), torch's compile counters after generating, and the
+entry's folder."""
 
 import json
 import os
@@ -22,7 +23,8 @@ def main() -> None:
         [[(7 * i + n) % 200 + 1 for i in range(n)] for n in (1, 4, 17, 40)], greedy, use_tqdm=False
     )
     tokens = [list(o.outputs[0].token_ids) for o in alone + many]
-    sys.stdout.write(json.dumps({"tokens": tokens, "graphs": made, "counters": compile_counters()}) + "\n")
+    report = {"tokens": tokens, "graphs": made, "counters": compile_counters()}
+    sys.stdout.write(json.dumps(report | {"entry": str(llm.engine.compile_cache.dir)}) + "\n")
 
 
 def run(model: Path, cache: Path, **options: object) -> dict:

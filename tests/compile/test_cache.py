@@ -99,16 +99,24 @@ def test_second_start_recompiles_nothing_and_an_export_loads_elsewhere(tiny: Pat
     assert abs(landed.stat().st_mtime - 1_700_000_000) <= 2  # zip keeps times to 2 s
 
 
-@pytest.mark.parametrize("attention", ["cpu", "torch"])
+@pytest.mark.parametrize(
+    ("arch", "attention", "classes"),
+    [
+        ("llama", "cpu", ["decode", "decode-1"]),
+        # The torch attention traces decode steps apart, so mixed steps get a graph of their own.
+        ("llama", "torch", ["decode", "decode-1", "mixed"]),
+        # A MoE layer and a dense one: each group (one layer here) has its kind's graph.
+        ("qwen3_moe", "cpu", ["decode-1.0", "decode-1.1", "decode.0", "decode.1"]),
+    ],
+)
 def test_a_precompiled_start_traces_nothing_and_generates_what_the_first_did(
-    attention: str, tiny: Path, tmp_path: Path
+    arch: str, attention: str, classes: list[str], tmp_path: Path
 ) -> None:
-    cache = seeded(tmp_path / "cache")
+    build(arch, tmp_path / "model")
+    cache, model = seeded(tmp_path / "cache"), tmp_path / "model"
     options = {"mode": "compiled", "attention": attention, "kv_cache_gib": 0.01, "max_num_seqs": 8}
-    cold = start.run(tiny, cache, **options)
-    warm = start.run(tiny, cache, **options)
-    # The torch attention traces decode steps apart, so mixed steps get a graph of their own.
-    classes = ["decode", "decode-1"] + (["mixed"] if attention == "torch" else [])
+    cold = start.run(model, cache, **options)
+    warm = start.run(model, cache, **options)
     assert sorted(cold["graphs"]) == sorted(warm["graphs"]) == classes
     assert set(cold["graphs"].values()) == {"traced"} and set(warm["graphs"].values()) == {"loaded"}
     # The torch attention also compiles its own paged decode (for mixed steps' decode rows) with plain
@@ -116,9 +124,8 @@ def test_a_precompiled_start_traces_nothing_and_generates_what_the_first_did(
     nested = cold["counters"]["dynamo_graphs"] - len(classes)
     assert warm["counters"]["dynamo_graphs"] <= nested and (nested == 0) == (attention == "cpu")
     assert warm["counters"]["fxgraph_cache_miss"] == warm["counters"]["autograd_cache_miss"] == 0
-    assert (
-        warm["tokens"] == cold["tokens"] == start.run(tiny, cache, **(options | {"mode": "eager"}))["tokens"]
-    )
+    eager = start.run(model, cache, **(options | {"mode": "eager"}))
+    assert warm["tokens"] == cold["tokens"] == eager["tokens"]
 
 
 def test_import_of_a_foreign_file_names_it(tiny: Path, tmp_path: Path) -> None:
