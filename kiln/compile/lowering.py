@@ -274,7 +274,7 @@ class Lowering:
                     source = "shared"
                 elif all(step.loaded for step in self._runs[graph].steps):
                     source = "precompiled"
-                else:  # traced: a precompiled trace never looks in Inductor's cache, a plain one may
+                else:  # traced, with Inductor's code compiled now or found in AOTAutograd's or its cache
                     hit = any(after[k] > before[k] for k in ("fxgraph_cache_hit", "autograd_cache_hit"))
                     source = "cache" if hit else "compiled"
                 warmed.add(graph)

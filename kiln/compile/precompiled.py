@@ -1,7 +1,10 @@
 """Dynamo's part of compiling, done once per graph class: torch.compile's aot_compile traces the layer step
 into a function that is saved with the compile cache entry, so a later start loads it and traces nothing
-(tracing was most of a warm start's compile time). The functions keep no guards, as vLLM's do: the lowering
-picks a step's graph by its class, and the cache entry's key holds everything the graphs were traced for."""
+(tracing was most of a warm start's compile time). The functions keep no guards, as vLLM's do, so whatever a
+trace bakes in is kiln's to tell apart: the lowering picks a step's graph by its class and its group's kind
+of layers, the cache entry's key holds the model, backend and buckets (and the attention instance's
+graph_id), and the KV caches' block count is traced dynamic, as each start sizes the cache anew. A graph
+that does not fit its inputs fails Inductor's size checks rather than computing."""
 
 from __future__ import annotations
 
