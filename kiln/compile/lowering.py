@@ -92,11 +92,13 @@ class Lowering:
         if self.mode == "cudagraph" and not cuda:
             raise ValueError("compile mode 'cudagraph' needs a CUDA device; use 'compiled' or 'eager'")
         self.graphs = CudaGraphs() if self.mode == "cudagraph" else None
-        self._compiled: Callable[..., Any] | None = None
+        # torch.compile's wrapper, made on the first trace: a start that loads every graph never needs it
+        # (making it imports most of AOTAutograd).
+        self._compiled: Callable[[], Callable[..., Any]] | None = None
         self.group = 1
         if self.mode in ("compiled", "cudagraph"):
             configure_torch(native_isa=backend.kernels == "cpu")
-            self._compiled = compile_layers(run_layers, cuda)
+            self._compiled = functools.cache(functools.partial(compile_layers, run_layers, cuda))
             # On the CPU several layers share a graph: one call per layer cost more than a third of a
             # batch-1 step in dynamo's and the wrapper's per-call work (BENCHMARKS.md, eighth steps).
             self.group = 1 if cuda else group_size(model.dims.num_layers)

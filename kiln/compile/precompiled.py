@@ -48,7 +48,9 @@ class GraphStep:
     """One graph class's compiled layer step, made on its first call (the warmup's step of that class):
     loaded from what a cache entry saved, or else traced with the step's dims marked dynamic."""
 
-    def __init__(self, compiled: Callable[..., Any], saved: bytes | None = None) -> None:
+    def __init__(self, compiled: Callable[[], Callable[..., Any]], saved: bytes | None = None) -> None:
+        """compiled: makes (or returns) compile_layers' wrapper; saved: what save() returned in an earlier
+        process."""
         self.compiled, self.saved = compiled, saved
         self.fn: Callable[..., Any] | None = None
         self.loaded = False
@@ -58,7 +60,7 @@ class GraphStep:
             self.fn = self._load()
         if self.fn is None:
             mark_step_dims(args)
-            self.fn = self.compiled.aot_compile(((layers, *args), {}))
+            self.fn = self.compiled().aot_compile(((layers, *args), {}))
             # It has no guards to check, and checking binds the arguments to a signature every call.
             self.fn.disable_guard_check()
         return self.fn(layers, *args)
