@@ -56,8 +56,8 @@ def configure_torch(native_isa: bool = False) -> None:
     """The process-wide torch settings kiln needs, set before anything is compiled.
 
     - dynamo's recompile limit: its compile cache is per code object and shared by the whole process, and
-      a process may build many models (the tests do); each lowering's graphs are its own code object's,
-      but the shared paged-decode kernel sees every model's shapes.
+      a process may build many models (the tests do). The lowering's layer graphs are precompiled functions
+      outside that cache, but the torch attention's shared paged-decode kernel sees every model's shapes.
     - native_isa: kiln's CPU kernels were built with -march=native by the compiler Inductor uses (cxx), so
       it takes every vector ISA the CPU reports. Inductor then skips proving it again, which it does in
       every process by loading a probe library per ISA in a Python subprocess: 0.5-0.9 s of a 7 s warm

@@ -36,6 +36,21 @@ class LayerGroups:
         return x, residual
 
 
+def kind_suffixes(layers: torch.nn.ModuleList, size: int) -> list[str]:
+    """For each group of `size` layers, the suffix naming its kind of group: "" where every group is alike,
+    else ".<k>". Groups whose modules differ (a MoE layer and a dense one) trace different graphs."""
+    groups = [
+        tuple(
+            f"{name}:{type(m).__name__}"
+            for layer in layers[i : i + size]
+            for name, m in layer.named_modules()
+        )
+        for i in range(0, len(layers), size)
+    ]
+    kinds = {g: k for k, g in enumerate(dict.fromkeys(groups))}
+    return [""] * len(groups) if len(kinds) == 1 else [f".{kinds[g]}" for g in groups]
+
+
 def _step_marks() -> list[tuple[int, str | None, int]]:
     """(argument after the layers, its field or None, dim) for each of DecoderLayer.STEP_DIMS, by forward's
     parameter names, which run_layers shares."""

@@ -33,7 +33,7 @@ from kiln.compile.buckets import Bucket, BucketPlan
 from kiln.compile.buffers import StepBuffers
 from kiln.compile.cache import CompileCache, environment
 from kiln.compile.cudagraph import CudaGraphs
-from kiln.compile.groups import LayerGroups, group_size
+from kiln.compile.groups import LayerGroups, group_size, kind_suffixes
 from kiln.compile.precompiled import GraphStep, compile_layers, graph_class
 from kiln.models.decoder import DecoderModel, run_layers
 from kiln.ops.backend import Backend
@@ -102,9 +102,9 @@ class Lowering:
             # On the CPU several layers share a graph: one call per layer cost more than a third of a
             # batch-1 step in dynamo's and the wrapper's per-call work (BENCHMARKS.md, eighth steps).
             self.group = 1 if cuda else group_size(model.dims.num_layers)
-        self.kinds = _group_kinds(model.layers, self.group)
-        # By graph class, and where groups differ in their layers (MoE and dense), by kind of group as well:
-        # warmup makes them, serving only runs them.
+        self.suffixes = kind_suffixes(model.layers, self.group)
+        # By graph class, and where groups differ in their layers (MoE and dense), by kind of group as well
+        # (class + suffix): warmup makes them, serving only runs them.
         self.steps: dict[str, GraphStep] = {}
         self._runs: dict[str, LayerGroups] = {}  # each graph class's steps, group by group
         self.ready = False
@@ -119,12 +119,8 @@ class Lowering:
             return self.model(*args)
         run = self._runs.get(graph)
         if run is None:
-            run = self._runs[graph] = LayerGroups([self._step(key) for key in self._keys(graph)], self.group)
+            run = self._runs[graph] = LayerGroups([self._step(graph + s) for s in self.suffixes], self.group)
         return self.model(*args, run=run)
-
-    def _keys(self, graph: str) -> list[str]:
-        """Each group's step, by graph class and kind of group."""
-        return [graph if len(set(self.kinds)) == 1 else f"{graph}.{kind}" for kind in self.kinds]
 
     def _step(self, key: str) -> GraphStep:
         assert self._compiled is not None
@@ -192,9 +188,9 @@ class Lowering:
         return graph_class(num_tokens, decode_only, self.model.attention.own_decode_graph)
 
     def __call__(self, num_tokens: int, decode_only: bool, *args: Any) -> torch.Tensor:
-        graph = self._graph_class(num_tokens, decode_only)
         if self.graphs is not None and decode_only and num_tokens in self.graphs.captured:
             return self.graphs.replay(num_tokens, args)
+        graph = self._graph_class(num_tokens, decode_only)
         if self.graphs is not None and decode_only and not self.ready:
             return self.graphs.capture(num_tokens, functools.partial(self.forward, graph), args)
         if not self.ready or self._compiled is None:
@@ -284,21 +280,6 @@ class Lowering:
                 log.info("bucket %s (%s): %s in %.2f s", bucket, covers, source, seconds)
         self.ready = True
         return reports
-
-
-def _group_kinds(layers: torch.nn.ModuleList, size: int) -> list[int]:
-    """For each group of `size` layers, which kind of group it is: groups whose modules differ (a MoE layer
-    and a dense one) trace different graphs."""
-    kinds: dict[tuple[str, ...], int] = {}
-    out = []
-    for i in range(0, len(layers), size):
-        structure = tuple(
-            f"{name}:{type(m).__name__}"
-            for layer in layers[i : i + size]
-            for name, m in layer.named_modules()
-        )
-        out.append(kinds.setdefault(structure, len(kinds)))
-    return out
 
 
 @contextmanager

@@ -74,7 +74,7 @@ class GraphStep:
             log.warning("a precompiled graph did not load (%s); tracing it again", e)
             return None
         fn.disable_guard_check()
-        self.loaded = True
+        self.loaded, self.saved = True, None
         return fn
 
     def save(self) -> bytes | None:
