@@ -2,6 +2,7 @@
 
 import json
 import logging
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -14,6 +15,7 @@ from transformers import AutoConfig
 from kiln.models.decoder import DecoderModel
 from kiln.models.registry import spec_for
 from kiln.models.spec import ArchSpec, ModelDims, Shard, expand, ignored, rule_applies
+from kiln.models.staging import Stager
 from kiln.ops.attention import TORCH_ATTENTION, AttentionImpl
 from kiln.ops.backend import Kernels, torch_kernels
 from kiln.platform import native_matmul_dtypes
@@ -101,14 +103,19 @@ def load_model(
     device: str | torch.device = "cpu",
     kernels: Kernels | None = None,
     attention: AttentionImpl = TORCH_ATTENTION,
+    stager: Stager | None = None,
 ) -> DecoderModel:
-    """kernels: None is the torch references for this device and dtype."""
-    spec, dims, torch_dtype = inspect_model(path, dtype, torch.device(device))
-    kernels = kernels or torch_kernels(torch.device(device), torch_dtype)
+    """kernels: None is the torch references for this device and dtype. stager: None stages through
+    pinned memory on a GPU (staging.py) and copies directly on a CPU."""
+    device = torch.device(device)
+    spec, dims, torch_dtype = inspect_model(path, dtype, device)
+    kernels = kernels or torch_kernels(device, torch_dtype)
     with torch.device("meta"):
         model = DecoderModel(spec, dims, kernels, attention).to(torch_dtype)
     model.to_empty(device=device)
-    load_weights(model, spec, dims, safetensors_files(path))
+    if stager is None and device.type == "cuda":
+        stager = Stager(device)
+    load_weights(model, spec, dims, safetensors_files(path), stager)
     model.prepare(dims.max_positions)
     return model.eval()
 
@@ -122,12 +129,15 @@ def weight_map(spec: ArchSpec, dims: ModelDims) -> dict[str, _Target]:
     }
 
 
-def load_weights(model: DecoderModel, spec: ArchSpec, dims: ModelDims, files: list[Path]) -> None:
+def load_weights(
+    model: DecoderModel, spec: ArchSpec, dims: ModelDims, files: list[Path], stager: Stager | None = None
+) -> None:
     targets = weight_map(spec, dims)
     params = dict(model.named_parameters())
     loaded: set[str] = set()
     unexpected: list[str] = []
-    with tqdm(total=len(targets), desc="Loading weights", unit="tensor", leave=False) as bar:
+    bar = tqdm(total=len(targets), desc="Loading weights", unit="tensor", leave=False)
+    with bar, stager or nullcontext():
         for file in files:
             try:
                 handle = safe_open(file, framework="pt", device="cpu")
@@ -144,7 +154,12 @@ def load_weights(model: DecoderModel, spec: ArchSpec, dims: ModelDims, files: li
                             unexpected.append(raw)
                         continue
                     tensor = f.get_tensor(raw)
-                    _copy(params[target.param], target, tensor.t() if target.transpose else tensor, dims, raw)
+                    tensor = tensor.t() if target.transpose else tensor
+                    dst = _destination(params[target.param], target, tensor, dims, raw)
+                    if stager is None:
+                        dst.copy_(tensor)
+                    else:
+                        stager.copy(dst, tensor, file, raw)
                     loaded.add(name)
                     bar.update()
     if unexpected:
@@ -155,7 +170,10 @@ def load_weights(model: DecoderModel, spec: ArchSpec, dims: ModelDims, files: li
     log.info("loaded %d tensors from %d file(s)", len(loaded), len(files))
 
 
-def _copy(param: torch.Tensor, t: _Target, tensor: torch.Tensor, d: ModelDims, name: str) -> None:
+def _destination(
+    param: torch.Tensor, t: _Target, tensor: torch.Tensor, d: ModelDims, name: str
+) -> torch.Tensor:
+    """The part of `param` that checkpoint tensor `name` fills."""
     dst = param.data if t.expert is None else param.data[t.expert]
     if t.shard in ("q", "k", "v"):
         q, kv = d.num_heads * d.head_dim, d.num_kv_heads * d.head_dim
@@ -166,4 +184,4 @@ def _copy(param: torch.Tensor, t: _Target, tensor: torch.Tensor, d: ModelDims, n
         dst = dst.narrow(0, 0 if t.shard == "gate" else half, half)
     if dst.shape != tensor.shape:
         raise WeightError(f"{name}: shape {tuple(tensor.shape)} does not fit {t.param} {tuple(dst.shape)}")
-    dst.copy_(tensor)
+    return dst

@@ -10,6 +10,7 @@ from safetensors.torch import load_file, save_file
 from kiln import LLM
 from kiln.models.loader import WeightError, load_config, load_model, resolve_dtype
 from kiln.models.registry import ARCHITECTURES, UnsupportedArchitecture
+from kiln.models.staging import Stager, data_offsets
 from kiln.ops.backend import Backend
 from kiln.ops.cpu import native
 from kiln.ops.linear import Linear
@@ -39,6 +40,33 @@ def test_sharded_checkpoint_loads_all_shards(tmp_path: Path) -> None:
     one, sharded = load_model(tmp_path / "one", "float32"), load_model(tmp_path / "sharded", "float32")
     for (name, a), (_, b) in zip(one.state_dict().items(), sharded.state_dict().items(), strict=True):
         assert torch.equal(a, b), name
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mixtral", "qwen3_moe", "gpt2"])
+def test_weights_staged_in_chunks_equal_direct_copies(tmp_path: Path, arch: str) -> None:
+    """The GPU's staged path (pread into a ring of buffers, then a copy) run on the CPU. Chunks of an odd
+    number of bytes split every tensor, and the ring of 3 buffers wraps many times. GPT-2's transposed
+    weights go the plain way."""
+    build(arch, tmp_path)
+    direct = load_model(tmp_path, "float32")
+    stager = Stager(torch.device("cpu"), chunk=1001, buffers=3, threads=2)
+    staged = load_model(tmp_path, "float32", stager=stager)
+    assert list(stager.files) == [tmp_path / "model.safetensors"]  # the staged path ran
+    for (name, a), b in zip(direct.state_dict().items(), staged.state_dict().values(), strict=True):
+        assert torch.equal(a, b), name
+
+
+def test_data_offsets_point_at_each_tensor(tmp_path: Path) -> None:
+    tensors = {"a": torch.arange(5, dtype=torch.int32), "b": torch.ones(3, 2, dtype=torch.bfloat16)}
+    file = tmp_path / "x.safetensors"
+    save_file(tensors, file, metadata={"format": "pt"})
+    raw = file.read_bytes()
+    for name, offset in data_offsets(file).items():
+        t = tensors[name]
+        assert (
+            raw[offset : offset + t.numel() * t.element_size()]
+            == t.view(-1).view(torch.uint8).numpy().tobytes()
+        )
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
