@@ -7,7 +7,8 @@ one invocation share the random model folders):
 - throughput: nano-vllm's workload (256 sequences, input and output lengths uniform in [100, 1024],
   ignore_eos) on a Qwen3-0.6B-shaped model;
 - startup: `kiln serve` on the Llama-3-8B shape, time to ready cold (an empty KILN_CACHE_DIR) and warm
-  (the cache the cold start left), each with its first request's TTFT;
+  (the cache the cold start left), each with its first request's TTFT; then a warm `kiln warmup` under
+  cProfile (OUT.warmup.prof, and its top functions in OUT.warmup.txt);
 - each phase but copy also runs transformers (static cache + torch.compile) in the same run, unless
   --skip-hf;
 - --deterministic runs kiln's side in its batch-invariant mode (backend.deterministic), so its cost shows
@@ -24,10 +25,12 @@ from __future__ import annotations
 
 import argparse
 import gc
+import io
 import json
 import logging
 import os
 import platform
+import pstats
 import random
 import shutil
 import signal
@@ -341,6 +344,26 @@ def throughput_phase(path: Path, result: dict, skip_hf: bool) -> None:
     free_gpu()
 
 
+def profile_warm_start(path: Path, cache_dir: Path, out: Path) -> None:
+    """A warm `kiln warmup` under cProfile, which sees the engine's whole start (on the main thread, where
+    `kiln serve` starts it on its own): writes the profile and logs where its seconds went, by function."""
+    prof = out.with_suffix(".warmup.prof")
+    cmd = [sys.executable, "-m", "cProfile", "-o", str(prof), "-m", "kiln", "warmup", "--model",
+           str(path.resolve()), "--max-model-len", "4096", "--no-progress"]  # fmt: skip
+    env = {**os.environ, "KILN_CACHE_DIR": str(cache_dir)}
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    clock = time.perf_counter()
+    subprocess.run(cmd, env=env, cwd=cache_dir, check=True, capture_output=True)
+    text = io.StringIO()
+    stats = pstats.Stats(str(prof), stream=text)
+    stats.sort_stats("cumulative").print_stats(80)
+    top = text.getvalue()
+    stats.sort_stats("tottime").print_stats(30)
+    out.with_suffix(".warmup.txt").write_text(text.getvalue())
+    log.info("warm kiln warmup under cProfile: %.1f s; by cumulative time:\n%s",
+             time.perf_counter() - clock, top[:8000])  # fmt: skip
+
+
 def startup_phase(path: Path, cache: Path, out: Path, result: dict, skip_hf: bool) -> None:
     """Cold: an empty compile cache, but FlashInfer's kernels built (as a pip-installed jit-cache would
     have them); warm: the cache the cold start left."""
@@ -352,6 +375,7 @@ def startup_phase(path: Path, cache: Path, out: Path, result: dict, skip_hf: boo
         result[f"startup_{start}_ready_s"], result[f"startup_{start}_ttft_s"] = got["ready_s"], got["ttft_s"]
         log.info("kiln serve %s: ready in %.1f s, first request's TTFT %.3f s", start, *got.values())
         save(result)
+    profile_warm_start(path, cache, out)
     if not skip_hf:
         result["startup_hf_s"] = hf_start(path)
         log.info("transformers: load, compile and first tokens in %.1f s", result["startup_hf_s"])
