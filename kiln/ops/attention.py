@@ -240,8 +240,11 @@ def paged_decode(
 @functools.cache
 def _paged_decode() -> Callable[..., torch.Tensor]:
     """paged_decode compiled once per process, for eager steps and mixed steps' decode rows (Inductor's
-    disk cache makes later processes quick); eager where no C++ compiler is found. Only the batch and
-    block-count dims are dynamic: symbolic cache and head dims made tracing several times slower."""
+    disk cache makes later processes quick); eager where no C++ compiler is found. Only the batch, the
+    block-table width and the cache's block count are dynamic: symbolic head dims made tracing several
+    times slower. The block count is marked here too, not only by the layer graphs' trace (groups.py), so a
+    start that loads those graphs traces this one as the start that traced them did (torch 2.11 left the
+    first's marks on the caches, and the two missed each other's Inductor cache entry)."""
     if not has_cxx():
         log.warning("no C++ compiler found: paged decode attention runs eagerly (slower)")
         return paged_decode
@@ -259,6 +262,7 @@ def _paged_decode() -> Callable[..., torch.Tensor]:
         torch._dynamo.maybe_mark_dynamic(seq_lens, 0)
         torch._dynamo.maybe_mark_dynamic(block_table, 0)
         torch._dynamo.maybe_mark_dynamic(block_table, 1)
+        torch._dynamo.maybe_mark_dynamic(kv_cache, 0)
         return compiled(q, kv_cache, block_table, seq_lens, scale, sliding_window)
 
     return run
