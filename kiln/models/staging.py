@@ -15,9 +15,11 @@ from pathlib import Path
 
 import torch
 
-CHUNK = 16 << 20
-BUFFERS = 16
-THREADS = 8
+# Untuned: no GPU host has run this. On the 2-core VM one thread's pread into a ring small enough to stay in
+# cache ran at 13-15 GB/s, threads did not add to it there, and a 256 MiB ring ran slower.
+CHUNK = 8 << 20
+BUFFERS = 8
+THREADS = 4
 
 
 def data_offsets(file: Path) -> dict[str, int]:
