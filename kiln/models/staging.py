@@ -15,8 +15,8 @@ from pathlib import Path
 
 import torch
 
-# Untuned: no GPU host has run this. On the 2-core VM one thread's pread into a ring small enough to stay in
-# cache ran at 13-15 GB/s, threads did not add to it there, and a 256 MiB ring ran slower.
+# Untuned on a GPU host. On the 2-core VM this ring read a file in the page cache at 22-27 GB/s, a copy out
+# of the mmap view at 10-17 (perf/read_bench.py).
 CHUNK = 8 << 20
 BUFFERS = 8
 THREADS = 4
