@@ -106,16 +106,25 @@ def load_model(
     stager: Stager | None = None,
 ) -> DecoderModel:
     """kernels: None is the torch references for this device and dtype. stager: None stages through
-    pinned memory on a GPU (staging.py) and copies directly on a CPU."""
+    pinned memory on a GPU (staging.py) and copies directly on a CPU. A stager that fails (its pinned
+    memory, stream or reads) is logged, and the weights are loaded again with direct copies."""
     device = torch.device(device)
     spec, dims, torch_dtype = inspect_model(path, dtype, device)
     kernels = kernels or torch_kernels(device, torch_dtype)
     with torch.device("meta"):
         model = DecoderModel(spec, dims, kernels, attention).to(torch_dtype)
     model.to_empty(device=device)
-    if stager is None and device.type == "cuda":
-        stager = Stager(device)
-    load_weights(model, spec, dims, safetensors_files(path), stager)
+    files = safetensors_files(path)
+    staged = stager is not None or device.type == "cuda"
+    try:
+        load_weights(model, spec, dims, files, (stager or Stager(device)) if staged else None)
+    except (RuntimeError, OSError) as e:  # the stager's pinned memory, stream or reads; not a bad checkpoint
+        if not staged:
+            raise
+        log.warning(
+            "staged weight loading failed (%s: %s); loading again with direct copies", type(e).__name__, e
+        )
+        load_weights(model, spec, dims, files)
     model.prepare(dims.max_positions)
     return model.eval()
 

@@ -1,5 +1,6 @@
 """Weights reach a GPU through pinned buffers and a side stream (staging.py): byte for byte what a CPU load
-reads, with the default ring and with chunks small enough to reuse each pinned buffer many times."""
+reads, with the default ring and with chunks small enough to reuse each pinned buffer many times, and
+without falling back to direct copies."""
 
 from pathlib import Path
 
@@ -14,11 +15,14 @@ from tests.models.tiny import build
 
 @pytest.mark.parametrize("chunk", [None, 1001], ids=["default-ring", "small-chunks"])
 @pytest.mark.parametrize("arch", ["llama", "qwen3_moe"])
-def test_staged_weights_on_the_gpu_equal_a_cpu_load(tmp_path: Path, arch: str, chunk: int | None) -> None:
+def test_staged_weights_on_the_gpu_equal_a_cpu_load(
+    tmp_path: Path, arch: str, chunk: int | None, caplog: pytest.LogCaptureFixture
+) -> None:
     build(arch, tmp_path, 128)
     cpu = load_model(tmp_path, "float32", "cpu", TORCH_KERNELS)
     cuda = torch.device("cuda")
     stager = None if chunk is None else Stager(cuda, chunk=chunk, buffers=3, threads=2)
     gpu = load_model(tmp_path, "float32", cuda, TORCH_KERNELS, stager=stager)
+    assert "staged weight loading failed" not in caplog.text  # no fallback to direct copies
     for (name, a), b in zip(cpu.state_dict().items(), gpu.state_dict().values(), strict=True):
         assert b.device.type == "cuda" and torch.equal(a, b.cpu()), name

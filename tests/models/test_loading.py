@@ -1,6 +1,7 @@
 """Weight loading: sharded folders, dtypes, and a clear error for each kind of bad checkpoint."""
 
 import json
+import logging
 from pathlib import Path
 
 import pytest
@@ -43,7 +44,9 @@ def test_sharded_checkpoint_loads_all_shards(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "mixtral", "qwen3_moe", "gpt2"])
-def test_weights_staged_in_chunks_equal_direct_copies(tmp_path: Path, arch: str) -> None:
+def test_weights_staged_in_chunks_equal_direct_copies(
+    tmp_path: Path, arch: str, caplog: pytest.LogCaptureFixture
+) -> None:
     """The GPU's staged path (pread into a ring of buffers, then a copy) run on the CPU. Chunks of an odd
     number of bytes split every tensor, and the ring of 3 buffers wraps many times. GPT-2's transposed
     weights go the plain way."""
@@ -52,8 +55,24 @@ def test_weights_staged_in_chunks_equal_direct_copies(tmp_path: Path, arch: str)
     stager = Stager(torch.device("cpu"), chunk=1001, buffers=3, threads=2)
     staged = load_model(tmp_path, "float32", stager=stager)
     assert list(stager.files) == [tmp_path / "model.safetensors"]  # the staged path ran
-    for (name, a), b in zip(direct.state_dict().items(), staged.state_dict().values(), strict=True):
-        assert torch.equal(a, b), name
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]  # and did not fall back
+    _assert_same_weights(direct, staged)
+
+
+def test_a_failing_stager_falls_back_to_direct_copies(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    build("llama", tmp_path)
+    stager = Stager(torch.device("cpu"), chunk=1001, buffers=3, threads=2)
+    stager.pool.shutdown()  # its first read then raises RuntimeError, as a failing pinned copy would
+    staged = load_model(tmp_path, "float32", stager=stager)
+    assert "staged weight loading failed (RuntimeError" in caplog.text
+    _assert_same_weights(load_model(tmp_path, "float32"), staged)
+
+
+def _assert_same_weights(a: torch.nn.Module, b: torch.nn.Module) -> None:
+    for (name, x), y in zip(a.state_dict().items(), b.state_dict().values(), strict=True):
+        assert torch.equal(x, y), name
 
 
 def test_data_offsets_point_at_each_tensor(tmp_path: Path) -> None:
