@@ -201,11 +201,16 @@ class Lowering:
             # (a decode of one where no bucket has size 1), runs eagerly.
             self.misses += unwarmed
             if not self._warned_outside:
+                why = (
+                    f"of graph class {graph}, which warmup never ran"
+                    if unwarmed
+                    else "outside the compiled buckets"
+                )
                 log.warning(
-                    "a %s step of %d tokens is outside the compiled buckets: running it eagerly "
-                    "(logged once)",
+                    "a %s step of %d tokens is %s: running it eagerly (logged once)",
                     "decode" if decode_only else "mixed",
                     num_tokens,
+                    why,
                 )
                 self._warned_outside = True
             return self.model(*args)

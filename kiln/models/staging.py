@@ -10,7 +10,6 @@ import json
 import os
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
-from contextlib import nullcontext
 from pathlib import Path
 
 import torch
@@ -47,9 +46,8 @@ class Stager:
             self.stream.wait_stream(torch.cuda.current_stream(device))
         # Each buffer's copy to the device, which must end before the buffer is read into again.
         self.copied: list[torch.cuda.Event | None] = [None] * buffers
-        self.reads: deque[tuple[int, Future[int], torch.Tensor]] = (
-            deque()
-        )  # (buffer, its read, where it goes)
+        # (buffer, its read, where it goes), in the order the buffers are taken
+        self.reads: deque[tuple[int, Future[int], torch.Tensor]] = deque()
         self.next = 0
         self.files: dict[Path, tuple[int, dict[str, int]]] = {}  # open file -> (fd, data_offsets)
         self.pool = ThreadPoolExecutor(threads, thread_name_prefix="kiln-weights")
@@ -93,7 +91,10 @@ class Stager:
     def _land(self, i: int, read: Future[int], part: torch.Tensor) -> None:
         if (got := read.result()) != part.numel():
             raise OSError(f"short read: {got} of {part.numel()} bytes")
-        with torch.cuda.stream(self.stream) if self.stream is not None else nullcontext():
-            part.copy_(self.buffers[i][: part.numel()], non_blocking=self.stream is not None)
-            if self.stream is not None:
-                self.copied[i] = self.stream.record_event()
+        src = self.buffers[i][: part.numel()]
+        if self.stream is None:
+            part.copy_(src)
+            return
+        with torch.cuda.stream(self.stream):
+            part.copy_(src, non_blocking=True)
+            self.copied[i] = self.stream.record_event()
