@@ -3,37 +3,30 @@
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass
 
 from kiln.engine.request import Request
 
 
-@dataclass(slots=True)
-class Block:
-    id: int
-    ref_count: int = 0
-    hash: int | None = None
-
-
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+        """Costs O(1) Python objects per block: a tiny model on a large GPU has millions of them."""
+        self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
-        self.blocks = [Block(i) for i in range(num_blocks)]
-        # Free blocks, least recently used first. A free block may still hold a cached prefix, which
-        # stays reusable until the block is handed out again (LRU eviction).
-        self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self.ref_counts = [0] * num_blocks
+        self.hashes: list[int | None] = [None] * num_blocks
+        # Blocks from next_unused on were never handed out; they go first, in id order. Then the freed
+        # blocks, least recently used first: a freed block may still hold a cached prefix, which stays
+        # reusable until the block is handed out again (LRU eviction).
+        self.next_unused = 0
+        self.free: OrderedDict[int, None] = OrderedDict()
         self.cached: dict[int, int] = {}  # block hash -> block id
         self.prefix_queries = 0  # prompt tokens looked up in the prefix cache
         self.prefix_hits = 0  # of those, tokens found
 
     @property
-    def num_blocks(self) -> int:
-        return len(self.blocks)
-
-    @property
     def num_free(self) -> int:
-        return len(self.free)
+        return self.num_blocks - self.next_unused + len(self.free)
 
     @property
     def usage(self) -> float:
@@ -70,16 +63,23 @@ class BlockManager:
     def allocate(self, req: Request, num_tokens: int) -> bool:
         """Makes req hold blocks for its first num_tokens tokens; False (and no change) if it can't."""
         need = -(-num_tokens // self.block_size) - len(req.block_ids)
-        if need > len(self.free):
+        if need <= 0:  # most steps: a decode token that fits in its last block
+            return True
+        if need > self.num_free:
             return False
-        for _ in range(need):
+        fresh = min(need, self.num_blocks - self.next_unused)
+        for block_id in range(self.next_unused, self.next_unused + fresh):
+            self.ref_counts[block_id] = 1
+            req.block_ids.append(block_id)
+        self.next_unused += fresh
+        for _ in range(need - fresh):
             block_id, _ = self.free.popitem(last=False)
-            block = self.blocks[block_id]
-            if block.hash is not None:
-                if self.cached.get(block.hash) == block_id:
-                    del self.cached[block.hash]
-                block.hash = None
-            block.ref_count = 1
+            h = self.hashes[block_id]
+            if h is not None:
+                if self.cached.get(h) == block_id:
+                    del self.cached[h]
+                self.hashes[block_id] = None
+            self.ref_counts[block_id] = 1
             req.block_ids.append(block_id)
         return True
 
@@ -90,24 +90,23 @@ class BlockManager:
         self.update_hashes(req)
         full = min(req.num_computed_tokens, req.num_tokens) // self.block_size  # (pending ids aren't known)
         for i in range(req.num_registered_blocks, full):
-            block = self.blocks[req.block_ids[i]]
-            if block.hash is None:
-                block.hash = req.block_hashes[i]
-                self.cached.setdefault(block.hash, block.id)
+            block_id = req.block_ids[i]
+            if self.hashes[block_id] is None:
+                self.hashes[block_id] = req.block_hashes[i]
+                self.cached.setdefault(req.block_hashes[i], block_id)
         req.num_registered_blocks = max(full, req.num_registered_blocks)
 
     def free_request(self, req: Request) -> None:
         # Tail blocks go to the LRU end first, so a request's prefix outlives its suffix.
         for block_id in reversed(req.block_ids):
-            block = self.blocks[block_id]
-            block.ref_count -= 1
-            if block.ref_count == 0:
+            self.ref_counts[block_id] -= 1
+            if self.ref_counts[block_id] == 0:
                 self.free[block_id] = None
         req.block_ids = []
         req.num_registered_blocks = 0
 
     def _take(self, block_id: int) -> None:
-        block = self.blocks[block_id]
-        if block.ref_count == 0:
+        """A cached block (so one handed out before): free, it leaves the free list."""
+        if self.ref_counts[block_id] == 0:
             del self.free[block_id]
-        block.ref_count += 1
+        self.ref_counts[block_id] += 1

@@ -41,7 +41,7 @@ def admit(bm: BlockManager, req: Request) -> int:
 
 
 def refs(bm: BlockManager, req: Request) -> list[int]:
-    return [bm.blocks[b].ref_count for b in req.block_ids]
+    return [bm.ref_counts[b] for b in req.block_ids]
 
 
 def test_allocate_rounds_up_to_blocks_and_is_incremental() -> None:
@@ -59,7 +59,7 @@ def test_allocate_rounds_up_to_blocks_and_is_incremental() -> None:
     bm.free_request(req)
     assert req.block_ids == []
     assert bm.num_free == 8
-    assert all(b.ref_count == 0 for b in bm.blocks)
+    assert not any(bm.ref_counts)
 
 
 def test_shared_prefix_blocks_are_reference_counted() -> None:
@@ -88,7 +88,7 @@ def test_shared_prefix_blocks_are_reference_counted() -> None:
     bm.free_request(b)
     bm.free_request(c)
     assert bm.num_free == 10
-    assert all(b.ref_count == 0 for b in bm.blocks)
+    assert not any(bm.ref_counts)
 
 
 def test_hashes_are_chained_over_the_prefix() -> None:
@@ -161,7 +161,7 @@ def test_only_computed_full_blocks_are_registered() -> None:
     assert req.num_registered_blocks == 1
     compute(bm, req, 11)
     assert len(bm.cached) == 2
-    assert [bm.blocks[b].hash for b in req.block_ids] == [*req.block_hashes, None]
+    assert [bm.hashes[b] for b in req.block_ids] == [*req.block_hashes, None]
     # Generated tokens fill the third block; once computed it is registered too.
     req.token_ids.append(61)
     compute(bm, req, 12)
@@ -190,7 +190,7 @@ def test_freed_blocks_stay_reusable_until_reallocated() -> None:
     hog = make_request(list(range(1000, 1024)), "hog")
     assert bm.allocate(hog, 24)
     assert bm.cached == {}
-    assert all(bm.blocks[b].hash is None for b in hog.block_ids)
+    assert all(bm.hashes[b] is None for b in hog.block_ids)
     bm.free_request(hog)
     assert bm.match_prefix(make_request(prompt, "late")) == 0
 
@@ -256,16 +256,15 @@ def test_allocate_fails_without_changing_anything() -> None:
     compute(bm, holder)  # 3 blocks, all registered
     req = make_request(list(range(100, 110)), "req")
     assert bm.allocate(req, 3)
-    free_before, cached_before = list(bm.free), dict(bm.cached)
-    hashes_before = [blk.hash for blk in bm.blocks]
-    refs_before = [blk.ref_count for blk in bm.blocks]
+    free_before, cached_before = (bm.next_unused, list(bm.free)), dict(bm.cached)
+    hashes_before, refs_before = list(bm.hashes), list(bm.ref_counts)
 
     assert not bm.allocate(req, 10)  # needs two more blocks, none free
     assert req.block_ids != [] and len(req.block_ids) == 1
-    assert list(bm.free) == free_before
+    assert (bm.next_unused, list(bm.free)) == free_before
     assert bm.cached == cached_before
-    assert [blk.hash for blk in bm.blocks] == hashes_before
-    assert [blk.ref_count for blk in bm.blocks] == refs_before
+    assert bm.hashes == hashes_before
+    assert bm.ref_counts == refs_before
 
     fresh = make_request(list(range(200, 220)), "fresh")
     assert not bm.allocate(fresh, 5)

@@ -57,9 +57,10 @@ def check_invariants(sched: Scheduler, batch: ScheduledBatch) -> None:
     for req in sched.running:
         for b in req.block_ids:
             held[b] = held.get(b, 0) + 1
-    assert {b.id: b.ref_count for b in bm.blocks if b.ref_count} == held
+    assert {b: n for b, n in enumerate(bm.ref_counts) if n} == held
     assert bm.num_free == bm.num_blocks - len(held)
     assert set(bm.free).isdisjoint(held)
+    assert all(b < bm.next_unused for b in held)
 
 
 def step(sched: Scheduler, next_token: int = 7) -> ScheduledBatch:
@@ -304,4 +305,4 @@ def test_random_workload_keeps_block_accounting_exact() -> None:
     assert sched.num_preemptions > 0
     assert sched.block_manager.prefix_hits > 0
     bm = sched.block_manager
-    assert bm.num_free == bm.num_blocks and all(b.ref_count == 0 for b in bm.blocks)
+    assert bm.num_free == bm.num_blocks and not any(bm.ref_counts)
