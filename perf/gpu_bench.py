@@ -5,7 +5,9 @@ one invocation share the random model folders):
 - batch1: batch-1 decode on a Llama-3-8B-shaped model (random bf16 weights): tokens/s, and the bandwidth
   it achieves, (weight bytes + KV bytes read per step) x steps/s, as a fraction of copy's;
 - throughput: nano-vllm's workload (256 sequences, input and output lengths uniform in [100, 1024],
-  ignore_eos) on a Qwen3-0.6B-shaped model;
+  ignore_eos) on a Qwen3-0.6B-shaped model; then the workload again step by step, with 50 steps of a
+  nearly full decode batch under the torch profiler: the GPU's busy share of their wall time, and the
+  kernels that fill it;
 - startup: `kiln serve` on the Llama-3-8B shape, time to ready cold (an empty KILN_CACHE_DIR) and warm
   (the cache the cold start left), each with its first request's TTFT; then a warm `kiln warmup` under
   cProfile (OUT.warmup.prof, and its top functions in OUT.warmup.txt);
@@ -46,8 +48,10 @@ import httpx
 import torch
 import transformers
 from tokenizers import Tokenizer, models, pre_tokenizers
+from torch.profiler import ProfilerActivity, profile
 
 from kiln import LLM, SamplingParams
+from kiln.engine.engine import LLMEngine
 
 log = logging.getLogger("gpu_bench")
 
@@ -189,7 +193,7 @@ def workload(n: int = 256, seed: int = 0) -> list[tuple[list[int], int]]:
     ]
 
 
-def kiln_throughput(path: Path, work: list[tuple[list[int], int]]) -> float:
+def kiln_throughput(path: Path, work: list[tuple[list[int], int]], result: dict) -> float:
     llm = LLM(str(path), dtype="bfloat16", device="cuda", kv_cache_gib=40, max_model_len=2048,
               max_num_seqs=256, max_num_batched_tokens=16384, **KILN_OPTIONS)  # fmt: skip
     log.info("kiln start-up (s): %s", {k: round(v, 2) for k, v in llm.engine.timings.items()})
@@ -199,7 +203,48 @@ def kiln_throughput(path: Path, work: list[tuple[list[int], int]]) -> float:
     clock = time.perf_counter()
     out = llm.generate([p for p, _ in work], params, use_tqdm=True)
     seconds = time.perf_counter() - clock
+    decode_breakdown(llm.engine, work, params, result)
     return sum(len(o.outputs[0].token_ids) for o in out) / seconds
+
+
+def decode_breakdown(
+    engine: LLMEngine, work: list[tuple[list[int], int]], params: list[SamplingParams], result: dict
+) -> None:
+    """The workload again, step by step: after 100 steps (every prompt prefilled, no request finished),
+    50 steps run under the torch profiler (a few requests finish in them). What their wall time has beyond
+    the GPU's kernel time is where the GPU waited for the host; the kernels by total time say what a
+    step's GPU time is spent on."""
+    ids = [f"breakdown-{i}" for i in range(len(work))]
+    for rid, (prompt, _), p in zip(ids, work, params, strict=True):
+        engine.add_request(rid, prompt, p)
+    for _ in range(100):
+        engine.step(final_only=True)
+    cuda = engine.runner.device.type == "cuda"
+    batch = len(engine.scheduler.running)
+    activity = ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU
+    with profile(activities=[activity]) as prof:
+        if cuda:
+            torch.cuda.synchronize()
+        clock = time.perf_counter()
+        for _ in range(50):
+            engine.step(final_only=True)
+        if cuda:
+            torch.cuda.synchronize()
+        wall = time.perf_counter() - clock
+    for rid in ids:
+        engine.abort(rid)
+    while engine.has_unfinished():
+        engine.step(final_only=True)
+    kernels = sorted(prof.key_averages(), key=lambda e: e.self_device_time_total, reverse=True)
+    busy = sum(e.self_device_time_total for e in kernels) / 1e6
+    top = {e.key[:120]: e.self_device_time_total / 50 / 1e3 for e in kernels[:15]}
+    result["throughput_breakdown"] = {
+        "batch": batch, "step_ms": wall / 50 * 1e3, "gpu_busy_ms": busy / 50 * 1e3, "kernels_ms": top,
+    }  # fmt: skip
+    log.info(
+        "kiln decode at batch %d: %.2f ms a step, the GPU's kernels %.2f ms of it; per step, by kernel:\n%s",
+        batch, wall / 50 * 1e3, busy / 50 * 1e3, "\n".join(f"  {ms:8.3f} ms  {k}" for k, ms in top.items()),
+    )  # fmt: skip
 
 
 def hf_throughput(model: torch.nn.Module, work: list[tuple[list[int], int]], batch: int = 64) -> float:
@@ -332,7 +377,7 @@ def batch1_phase(path: Path, result: dict, skip_hf: bool) -> None:
 def throughput_phase(path: Path, result: dict, skip_hf: bool) -> None:
     random_model("Qwen3Config", QWEN3_06B, path)
     work = workload()
-    result["throughput_kiln_tok_s"] = kiln_throughput(path, work)
+    result["throughput_kiln_tok_s"] = kiln_throughput(path, work, result)
     log.info("kiln throughput: %.0f output tok/s", result["throughput_kiln_tok_s"])
     save(result)
     free_gpu()
