@@ -86,14 +86,14 @@ def copy_bandwidth(gib: float = 2.0, iters: int = 20) -> float:
     return 2 * src.numel() * iters / (start.elapsed_time(end) / 1e3)
 
 
-def random_model(config_cls: str, dims: dict, path: Path) -> None:
+def random_model(config_cls: str, dims: dict, path: Path, device: str = "cuda") -> None:
     """A seeded random bf16 model, saved as safetensors (with a word-level tokenizer over its whole
     vocabulary) so kiln loads exactly the weights transformers runs; kept if the folder has one."""
     if (path / "config.json").is_file():
         return
     config = getattr(transformers, config_cls)(**dims, bos_token_id=None, eos_token_id=None)
     torch.manual_seed(0)
-    with torch.device("cuda"):
+    with torch.device(device):
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     with torch.no_grad():
         for p in model.parameters():

@@ -103,6 +103,10 @@ class MoE(nn.Module):
         self.w13 = _param(d.num_experts, 2 * d.moe_intermediate_size, d.hidden_size)
         self.w2 = _param(d.num_experts, d.hidden_size, d.moe_intermediate_size)
 
+    def pack(self) -> None:
+        w13, w2 = self.kernels.matmul.pack_experts(self.w13.data, self.w2.data)
+        self.w13, self.w2 = (nn.Parameter(w, requires_grad=False) for w in (w13, w2))
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = route(self.router(x), self.top_k, self.renormalize)
         return self.kernels.moe_experts(x, self.w13, self.w2, weights, ids)
@@ -189,7 +193,7 @@ class DecoderModel(nn.Module):
             inv_freq, scaling = rope_inv_freq(d.rotary_dim or d.head_dim, d.rope_theta, d.rope_scaling)
             self.cos_sin = rope_cos_sin(inv_freq, max_positions, scaling).to(device)
         for module in self.modules():
-            if isinstance(module, Linear) and module is not self.lm_head:
+            if isinstance(module, Linear | MoE) and module is not self.lm_head:
                 module.pack()
         head = self.embed.weight if self.lm_head is None else self.lm_head.weight
         self.logits_weight = self.kernels.matmul.pack_head(head)

@@ -7,6 +7,7 @@ that runs here; nothing imports FlashInfer or Triton on a machine that picks tor
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib.util
 import logging
 import os
@@ -82,12 +83,15 @@ class Backend:
         if self.kernels == "cpu":
             # float32 activations: the kernels widen 16-bit weights in registers and accumulate in float32,
             # or multiply bfloat16 weights natively where the CPU can.
+            from kiln.ops.cpu.moe import moe_experts
             from kiln.ops.cpu.rotary import apply_rotary as rope
 
             cpu = CpuMatmul(bf16_dot=cpu_native.bf16_dot(), amx=cpu_native.amx())
+            experts = functools.partial(moe_experts, amx=cpu.amx)
             return dataclasses.replace(
-                TORCH_KERNELS, name="cpu", apply_rotary=rope, matmul=cpu, activations=torch.float32
-            )
+                TORCH_KERNELS, name="cpu", apply_rotary=rope, moe_experts=experts, matmul=cpu,
+                activations=torch.float32,
+            )  # fmt: skip
         return torch_kernels(device, dtype)
 
     def tiles(self, dtype: torch.dtype) -> bool:

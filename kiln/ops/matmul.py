@@ -53,6 +53,11 @@ class Matmul(Protocol):
         """act(x W^T + b) -> [M, n], act being the backend's silu(gate) * up."""
         ...
 
+    def pack_experts(self, w13: torch.Tensor, w2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A MoE layer's experts, w13 [E, 2n, K] (each one's gate rows, then up's) and w2 [E, K, n] -> the
+        layout the backend's experts op takes."""
+        ...
+
 
 class SeparateGateUp:
     """gate_up as two kernels: the linear layer's [gate | up], then act on it."""
@@ -82,6 +87,9 @@ class TorchMatmul(SeparateGateUp):
 
     def pack_bias(self, bias: torch.Tensor) -> torch.Tensor:
         return self.pack(bias)
+
+    def pack_experts(self, w13: torch.Tensor, w2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.pack(w13), self.pack(w2)
 
     def pack_head(self, head: torch.Tensor) -> torch.Tensor:
         # A CPU has no 16-bit GEMM into float32: the head gets a float32 copy.
@@ -156,6 +164,26 @@ class CpuMatmul(SeparateGateUp):
         if self._fuses(n, weight.dim() == 4):
             return torch.ops.kiln_cpu.gate_up(self._rounded(x, weight), weight, n, bias)
         return super().gate_up(x, weight, bias, n, act)
+
+    def pack_experts(self, w13: torch.Tensor, w2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each expert packed as gate_up's and linear's weights, stacked. With pairs, the width n is padded
+        with zero rows (gate and up) and columns (w2) to whole tiles of 32, where the pairs pad K anyway:
+        an expert's width is then what its packed w2 multiplies (experts_width), and the padding adds
+        silu(0) * 0 = 0 terms."""
+        n = w2.shape[2]
+        if self.bf16_dot and w2.dtype == torch.bfloat16:
+            wide = -(-n // 32) * 32
+            w13 = F.pad(w13.view(w13.shape[0], 2, n, -1), (0, 0, 0, wide - n)).flatten(1, 2)
+            w2 = F.pad(w2, (0, wide - n))
+        return (
+            torch.stack([self.pack_gate_up(w, None)[0] for w in w13]),
+            torch.stack([self.pack(w) for w in w2]),
+        )
+
+    @staticmethod
+    def experts_width(w2: torch.Tensor) -> int:
+        """An expert's width n from its packed w2 [N-blocks, K, 16] or, in pairs, [N-blocks, K / 2, 16, 2]."""
+        return w2.shape[1] * (2 if w2.dim() == 4 else 1)
 
     def _fuses(self, n: int, pairs: bool) -> bool:
         """Whether gate_up is one kernel for pair-packed weights of width n (its bfloat16 output is then the

@@ -1,3 +1,5 @@
+from collections.abc import Callable
+
 import torch
 
 from kiln.ops.activation import silu_and_mul
@@ -13,15 +15,17 @@ def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[t
     return weights, ids
 
 
-@torch.library.custom_op("kiln::moe_experts", mutates_args=())
-def moe_experts(
-    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
+def grouped(
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    num_experts: int,
+    expert: Callable[[int, torch.Tensor], torch.Tensor],
 ) -> torch.Tensor:
-    """Gated-SiLU experts: x [T, H], w13 [E, 2I, H], w2 [E, H, I], weights/ids [T, k] -> [T, H].
-
-    Tokens are sorted by expert so each expert runs one GEMM over a contiguous slice (a grouped GEMM);
-    the data-dependent grouping is why this is an opaque op to torch.compile."""
-    num_experts, top_k = w13.shape[0], ids.shape[1]
+    """x [T, H] through its tokens' top-k experts, weights/ids [T, k] -> [T, H]. Tokens are sorted by expert,
+    so each expert runs one GEMM over a contiguous slice (a grouped GEMM): expert(e, rows) -> [rows, H].
+    A token's k results are added in expert order, whatever else the step holds."""
+    top_k = ids.shape[1]
     flat_ids = ids.flatten()
     order = torch.argsort(flat_ids, stable=True)
     token_of = order // top_k
@@ -31,12 +35,19 @@ def moe_experts(
     start = 0
     for e, n in enumerate(counts):
         if n:
-            # Weights may be stored narrower than x (bf16 on a CPU without bf16 GEMMs): cast per expert.
-            h = silu_and_mul(xs[start : start + n] @ w13[e].t().to(xs.dtype))
-            out[start : start + n] = h @ w2[e].t().to(xs.dtype)
+            out[start : start + n] = expert(e, xs[start : start + n])
         start += n
     scaled = out * weights.flatten()[order, None].to(out.dtype)
     return torch.zeros_like(x).index_add_(0, token_of, scaled)
+
+
+@torch.library.custom_op("kiln::moe_experts", mutates_args=())
+def moe_experts(
+    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
+) -> torch.Tensor:
+    """Gated-SiLU experts: x [T, H], w13 [E, 2I, H], w2 [E, H, I], weights/ids [T, k] -> [T, H]; opaque to
+    torch.compile, as the grouping depends on the data."""
+    return grouped(x, weights, ids, w13.shape[0], lambda e, rows: silu_and_mul(rows @ w13[e].t()) @ w2[e].t())
 
 
 @moe_experts.register_fake

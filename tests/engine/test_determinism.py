@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import random
 from collections.abc import Sequence
+from pathlib import Path
 
 import pytest
 
 from kiln import LLM, SamplingParams
+from tests.models.tiny import VOCAB, build
 
 pytestmark = pytest.mark.slow
 
@@ -152,3 +154,27 @@ def test_greedy_tokens_at_any_concurrency_equal_batch_1_in_float32(
     llm32: LLM, varied32: list[Target], concurrency: int
 ) -> None:
     assert at_concurrency(llm32, varied32, concurrency) == [run(llm32, [t])[0] for t in varied32]
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_moe_logprobs_alone_equal_those_in_any_batch(arch: str, dtype: str, tmp_path: Path) -> None:
+    """A MoE layer's experts get the rows the whole step routes to them; a request's logprobs, to the bit,
+    still do not depend on which other requests share its steps."""
+    build(arch, tmp_path)
+    llm = LLM(str(tmp_path), dtype=dtype, kv_cache_gib=0.05)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=3)
+    target = [5, 17, 33, 2, 90, 41, 7, 8, 9, 10, 11]
+
+    def logprobs(batch: list[list[int]], at: int) -> list[dict[int, float]]:
+        out = llm.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)[at].outputs[0]
+        return [{t: lp.logprob for t, lp in d.items()} for d in out.logprobs]
+
+    alone = logprobs([target], 0)
+    rng = random.Random(0)
+    for _ in range(4):
+        others = [
+            [rng.randrange(VOCAB) for _ in range(rng.randint(3, 60))] for _ in range(rng.randint(1, 12))
+        ]
+        at = rng.randint(0, len(others))
+        assert logprobs([*others[:at], target, *others[at:]], at) == alone

@@ -82,6 +82,9 @@ class TritonMatmul(SeparateGateUp):
     def pack_head(self, head: torch.Tensor) -> torch.Tensor:
         return head
 
+    def pack_experts(self, w13: torch.Tensor, w2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return w13, w2
+
     def linear(
         self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, n: int
     ) -> torch.Tensor:
