@@ -54,7 +54,7 @@ def torch_kernels(device: torch.device, dtype: torch.dtype) -> Kernels:
 
 def triton_kernels(deterministic: bool = False) -> Kernels:
     """deterministic: linear layers and the LM head run Triton's batch-invariant GEMM instead of cuBLAS,
-    whose kernel (split-K included) depends on the batch's row count."""
+    whose kernel (split-K included) depends on the batch's row count; MoE experts, one row tile."""
     from kiln.ops.triton import activation as t_activation
     from kiln.ops.triton import moe as t_moe
     from kiln.ops.triton import norm as t_norm
@@ -67,7 +67,8 @@ def triton_kernels(deterministic: bool = False) -> Kernels:
         return kernels
     from kiln.ops.triton.matmul import TritonMatmul
 
-    return dataclasses.replace(kernels, matmul=TritonMatmul())
+    experts = functools.partial(t_moe.moe_experts, deterministic=True)
+    return dataclasses.replace(kernels, matmul=TritonMatmul(), moe_experts=experts)
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,7 +1,7 @@
 """backend.deterministic on the GPU: FlashInfer gives a query row the same bits in every kind of step, and
-a request's greedy tokens are the same alone, in batches of 4 and 16 among random neighbours (some
-chunked, some sampled), and again with its prefix cached, with the Triton GEMM, FlashInfer without
-split-KV and CUDA graphs all on."""
+a request's greedy tokens (dense and MoE models) are the same alone, in batches of 4 and 16 among random
+neighbours (some chunked, some sampled), and again with its prefix cached, with the Triton GEMM,
+FlashInfer without split-KV and CUDA graphs all on."""
 
 import itertools
 import random
@@ -35,9 +35,11 @@ def run(llm: LLM, batch: list[tuple[list[int], SamplingParams]]) -> list[list[in
     return [list(o.outputs[0].token_ids) for o in outs]
 
 
-@pytest.mark.parametrize("head_dim", [64, 128])
-def test_greedy_tokens_do_not_depend_on_the_batch_or_the_prefix_cache(head_dim: int, tmp_path: Path) -> None:
-    build("llama", tmp_path, head_dim)
+@pytest.mark.parametrize(("arch", "head_dim"), [("llama", 64), ("llama", 128), ("qwen3_moe", 64)])
+def test_greedy_tokens_do_not_depend_on_the_batch_or_the_prefix_cache(
+    arch: str, head_dim: int, tmp_path: Path
+) -> None:
+    build(arch, tmp_path, head_dim)
     llm = LLM(str(tmp_path), dtype="bfloat16", device="cuda", deterministic=True, kv_cache_gib=0.05,
               max_model_len=256, max_num_seqs=16, max_num_batched_tokens=64)  # fmt: skip
     engine = llm.engine

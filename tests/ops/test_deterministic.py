@@ -46,6 +46,7 @@ def test_cuda_takes_the_triton_gemm_and_needs_flashinfer(monkeypatch: pytest.Mon
     assert choice == Backend("triton", "flashinfer", "flashinfer", deterministic=True)
     kernels = choice.layer_kernels(CUDA, torch.bfloat16)
     assert kernels.name == "triton" and isinstance(kernels.matmul, TritonMatmul)
+    assert kernels.moe_experts.keywords == {"deterministic": True}  # one row tile for every step
     plain = choose_backend("auto", "auto", "auto", CUDA, 128, torch.bfloat16)
     assert not isinstance(plain.layer_kernels(CUDA, torch.bfloat16).matmul, TritonMatmul)
     # auto's fallback to torch's attention for a head dim FlashInfer lacks can't be batch-invariant.

@@ -108,6 +108,17 @@ def test_fused_moe(dtype: torch.dtype, num_tokens: int) -> None:
     torch.testing.assert_close(out.float(), ref, **tol)
 
 
+def test_fused_moe_deterministic_computes_what_the_default_does() -> None:
+    """Its tile and its sum differ (batch invariance itself is a GPU's property: numpy's BLAS, the
+    interpreter's dot, gives a row bits that depend on its place in the tile; tests/gpu checks it)."""
+    E, top_k, H, inter, T = 6, 3, 48, 40, 70  # 210 pairs > 64 x 6: the default path takes tiles of 64
+    x = rand(T, H)
+    w13, w2 = rand(E, 2 * inter, H) / 4, rand(E, H, inter) / 4
+    weights, ids = moe.route(rand(T, E), top_k, renormalize=True)
+    got = t_moe.moe_experts(x, w13, w2, weights, ids, deterministic=True)
+    torch.testing.assert_close(got, t_moe.moe_experts(x, w13, w2, weights, ids), atol=1e-5, rtol=1e-5)
+
+
 def test_moe_alignment_groups_every_pair_once_by_expert() -> None:
     ids = torch.tensor([[0, 3], [3, 1], [0, 3], [4, 0]], device=DEVICE)
     sorted_pairs, block_expert, padded = t_moe.align_by_expert(ids, 5, block_m=4)

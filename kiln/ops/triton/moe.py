@@ -96,12 +96,19 @@ def _gemm(
 
 @triton_op("kiln::fused_moe", mutates_args=())
 def moe_experts(
-    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    deterministic: bool = False,
 ) -> torch.Tensor:
     """kiln.ops.moe.moe_experts as two grouped GEMMs: x [T, H], w13 [E, 2I, H], w2 [E, H, I],
-    weights/ids [T, k] -> [T, H]."""
+    weights/ids [T, k] -> [T, H]. deterministic (batch-invariant): one row tile whatever the step's size,
+    and a token's k results added one at a time, in rank order, rather than by a reduction whose split
+    the output's size picks."""
     num_tokens, top_k = ids.shape
-    block_m = 16 if num_tokens * top_k <= 64 * w13.shape[0] else 64
+    block_m = 16 if deterministic or num_tokens * top_k <= 64 * w13.shape[0] else 64
     groups = align_by_expert(ids, w13.shape[0], block_m)
     pair_weights = weights.flatten().float()
     x = x.contiguous()
@@ -110,4 +117,10 @@ def moe_experts(
     h = silu_and_mul(gate_up)
     out = torch.empty(num_tokens * top_k, w2.shape[1], dtype=x.dtype, device=x.device)
     _gemm(h, w2, out, pair_weights, groups, top_k, True, block_m)
-    return out.view(num_tokens, top_k, -1).sum(dim=1)
+    out = out.view(num_tokens, top_k, -1)
+    if not deterministic:
+        return out.sum(dim=1)
+    total = out[:, 0]
+    for j in range(1, top_k):
+        total = total + out[:, j]
+    return total
