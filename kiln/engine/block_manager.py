@@ -9,7 +9,7 @@ from kiln.engine.request import Request
 
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
-        """Costs O(1) Python objects per block: a tiny model on a large GPU has millions of them."""
+        """Makes no object per block (two lists and a counter): a tiny model on a large GPU has millions."""
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching

@@ -24,7 +24,7 @@ def grouped(
 ) -> torch.Tensor:
     """x [T, H] through its tokens' top-k experts, weights/ids [T, k] -> [T, H]. Tokens are sorted by expert,
     so each expert runs one GEMM over a contiguous slice (a grouped GEMM): expert(e, rows) -> [rows, H].
-    A token's k results are added in expert order, whatever else the step holds."""
+    On a CPU, index_add_ adds a token's k results in expert order, whatever else the step holds."""
     top_k = ids.shape[1]
     flat_ids = ids.flatten()
     order = torch.argsort(flat_ids, stable=True)
