@@ -57,15 +57,19 @@ def test_cuda_takes_the_triton_gemm_and_needs_flashinfer(monkeypatch: pytest.Mon
         choose_backend("auto", "auto", "auto", CUDA, 128, torch.bfloat16, deterministic=True)
 
 
-def test_tiny_llama_on_the_triton_gemm_answers_alone_as_in_a_batch(tmp_path: Path) -> None:
-    """The interpreter runs the deterministic kernels in the model (kiln's CPU attention around them)."""
-    build("llama", tmp_path)
+@pytest.mark.parametrize(("arch", "mode"), [("llama", "eager"), ("qwen3_moe", "compiled")])
+def test_tiny_models_on_the_triton_gemm_answer_alone_as_in_a_batch(
+    arch: str, mode: str, tmp_path: Path
+) -> None:
+    """The interpreter runs the deterministic kernels in the model (kiln's CPU attention around them);
+    compiled, torch.compile traces the model around them, the deterministic MoE's call included."""
+    build(arch, tmp_path)
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
-    options = {"dtype": "float32", "kv_cache_gib": 0.01, "mode": "eager", "device": "cpu"}
-    llm = LLM(str(tmp_path), kernels="triton", attention="cpu", deterministic=True, **options)
+    options = {"dtype": "float32", "kv_cache_gib": 0.01, "device": "cpu"}
+    llm = LLM(str(tmp_path), kernels="triton", attention="cpu", deterministic=True, mode=mode, **options)
     assert type(llm.engine.model.kernels.matmul).__name__ == "TritonMatmul"
     together = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
     alone = [llm.generate([p], params, use_tqdm=False)[0].outputs[0].token_ids for p in PROMPTS]
     assert alone == together
-    ref = LLM(str(tmp_path), kernels="torch", attention="torch", **options)
+    ref = LLM(str(tmp_path), kernels="torch", attention="torch", mode="eager", **options)
     assert [o.outputs[0].token_ids for o in ref.generate(PROMPTS, params, use_tqdm=False)] == together

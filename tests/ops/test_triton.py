@@ -167,15 +167,19 @@ def test_sampling_prep_without_penalties_is_temperature_only() -> None:
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "mixtral"])
 def test_tiny_models_with_triton_kernels_give_the_torch_tokens(arch: str, tmp_path: Path) -> None:
-    """Every kernel in its place in the model (norms, rotary, SiLU, MoE, sampling prep), fp32."""
+    """Every kernel in its place in the model (norms, rotary, SiLU, MoE, sampling prep), fp32, eager and
+    under torch.compile (where the interpreter's kernels are opaque ops: the GPU's traced-through kernels
+    are tests/gpu's)."""
     build(arch, tmp_path)
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, repetition_penalty=1.2)
     runs = {}
-    for kernels in ("torch", "triton"):
-        llm = LLM(str(tmp_path), dtype="float32", kv_cache_gib=0.01, mode="eager", kernels=kernels)
+    for kernels, mode in (("torch", "eager"), ("triton", "eager"), ("triton", "compiled")):
+        llm = LLM(str(tmp_path), dtype="float32", kv_cache_gib=0.01, mode=mode, kernels=kernels)
         assert llm.engine.model.kernels.name == kernels
-        runs[kernels] = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
-    assert runs["triton"] == runs["torch"]
+        outputs = llm.generate(PROMPTS, params, use_tqdm=False)
+        runs[kernels, mode] = [o.outputs[0].token_ids for o in outputs]
+    assert runs["triton", "eager"] == runs["torch", "eager"]
+    assert runs["triton", "compiled"] == runs["torch", "eager"]
 
 
 def test_auto_backend_on_a_cpu_is_kilns_cpu_kernels_and_never_imports_flashinfer() -> None:

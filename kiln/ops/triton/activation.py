@@ -1,7 +1,8 @@
 import torch
 import triton
 import triton.language as tl
-from torch.library import triton_op, wrap_triton
+
+from kiln.ops.triton import launch, op
 
 
 @triton.jit
@@ -16,12 +17,12 @@ def _silu_and_mul(x_ptr, out_ptr, n_cols, BLOCK: tl.constexpr):
     tl.store(out_ptr + row * n_cols + cols, act * up, mask=mask)
 
 
-@triton_op("kiln::silu_and_mul", mutates_args=())
+@op("kiln::silu_and_mul", mutates_args=())
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """x = [gate | up] on the last dim; returns silu(gate) * up (kiln.ops.activation.silu_and_mul)."""
     n = x.shape[-1] // 2
     x2 = x.reshape(-1, 2 * n).contiguous()
     out = torch.empty(x2.shape[0], n, dtype=x.dtype, device=x.device)
     block = min(triton.next_power_of_2(n), 1024)
-    wrap_triton(_silu_and_mul)[(x2.shape[0], triton.cdiv(n, block))](x2, out, n, BLOCK=block)
+    launch(_silu_and_mul)[(x2.shape[0], triton.cdiv(n, block))](x2, out, n, BLOCK=block)
     return out.view(*x.shape[:-1], n)

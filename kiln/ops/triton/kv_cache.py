@@ -1,7 +1,8 @@
 import torch
 import triton
 import triton.language as tl
-from torch.library import triton_op, wrap_triton
+
+from kiln.ops.triton import launch, op
 
 
 @triton.jit
@@ -17,13 +18,13 @@ def _write_kv(k_ptr, v_ptr, cache_ptr, slot_ptr, k_row, v_row, block_size, width
         tl.store(dst + block_size * width, tl.load(v_ptr + t * v_row + cols, mask=mask), mask=mask)
 
 
-@triton_op("kiln::write_kv", mutates_args=("kv_cache",))
+@op("kiln::write_kv", mutates_args=("kv_cache",))
 def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """kiln.ops.attention.write_kv, except that padding slots (-1) write nothing at all.
     k/v [T, KVH, D] may be views of the fused qkv output; kv_cache [N, 2, block_size, KVH, D]."""
     width = k.shape[1] * k.shape[2]
     assert k.stride(1) == k.shape[2] and v.stride(1) == v.shape[2], "K/V heads must be contiguous"
     block = min(triton.next_power_of_2(width), 1024)
-    wrap_triton(_write_kv)[(k.shape[0], triton.cdiv(width, block))](
+    launch(_write_kv)[(k.shape[0], triton.cdiv(width, block))](
         k, v, kv_cache, slot_mapping, k.stride(0), v.stride(0), kv_cache.shape[2], width, BLOCK=block
     )

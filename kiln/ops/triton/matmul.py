@@ -3,17 +3,12 @@ split-K, and each output element's K walked from 0 in the same BLOCK_K steps, so
 depends on how many rows share the call or where it sits among them (cuBLAS picks its kernel, split-K
 included, by M). Weights stay as loaded ([N, K]); accumulation is float32."""
 
-import os
-
 import torch
 import triton
 import triton.language as tl
-from torch.library import triton_op, wrap_triton
 
 from kiln.ops.matmul import SeparateGateUp
-
-# Triton's CPU interpreter (how the tests run without a GPU) gets 16-bit dot products wrong: it upcasts.
-_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+from kiln.ops.triton import INTERPRET, launch, op
 
 # The one tile shape (never chosen by M): 64 rows suit Hopper's wgmma, 64 columns keep decode steps'
 # weight reads spread over enough programs.
@@ -48,7 +43,7 @@ def _matmul(
     tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=(rows[:, None] < m) & (cols[None, :] < n))
 
 
-@triton_op("kiln::invariant_matmul", mutates_args=())
+@op("kiln::invariant_matmul", mutates_args=())
 def invariant_matmul(
     x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, n: int, fp32_out: bool
 ) -> torch.Tensor:
@@ -60,9 +55,10 @@ def invariant_matmul(
     w = w if w.stride(-1) == 1 else w.contiguous()
     m = x2.shape[0]
     y = torch.empty(m, n, dtype=torch.float32 if fp32_out else x.dtype, device=x.device)
-    fp32 = _INTERPRET or x.dtype == torch.float32 or w.dtype == torch.float32
+    # The interpreter gets 16-bit dot products wrong: it upcasts.
+    fp32 = INTERPRET or x.dtype == torch.float32 or w.dtype == torch.float32
     grid = (triton.cdiv(m, BLOCK_M), triton.cdiv(n, BLOCK_N))
-    wrap_triton(_matmul)[grid](
+    launch(_matmul)[grid](
         x2, w, bias if bias is not None else w, y, m, n, k, x2.stride(0), w.stride(0), y.stride(0),
         HAS_BIAS=bias is not None, FP32=fp32, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
         num_warps=4, num_stages=3,

@@ -2,17 +2,12 @@
 row blocks, so each program of one grouped-GEMM launch multiplies a block of rows by its expert's
 weights. No host sync anywhere: the launch and its grouping are CUDA-graph capturable."""
 
-import os
-
 import torch
 import triton
 import triton.language as tl
-from torch.library import triton_op, wrap_triton
 
+from kiln.ops.triton import INTERPRET, launch, op
 from kiln.ops.triton.activation import silu_and_mul
-
-# Triton's CPU interpreter (how the tests run without a GPU) gets 16-bit dot products wrong: it upcasts.
-_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @triton.jit
@@ -86,15 +81,15 @@ def _gemm(
     n, k = w.shape[1], w.shape[2]
     block_n = min(64, max(16, triton.next_power_of_2(n)))
     block_k = min(64, max(16, triton.next_power_of_2(k)))
-    wrap_triton(_grouped_gemm)[(block_expert.numel(), triton.cdiv(n, block_n))](
+    launch(_grouped_gemm)[(block_expert.numel(), triton.cdiv(n, block_n))](
         a, w, out, pair_weights, sorted_pairs, block_expert, padded,
         pair_weights.numel(), n, k, a.stride(0), w.stride(0), w.stride(1), out.stride(0),
-        SECOND=second, TOP_K=top_k, UPCAST=_INTERPRET,
+        SECOND=second, TOP_K=top_k, UPCAST=INTERPRET,  # the interpreter's 16-bit dot products upcast wrongly
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
     )  # fmt: skip
 
 
-@triton_op("kiln::fused_moe", mutates_args=())
+@op("kiln::fused_moe", mutates_args=())
 def moe_experts(
     x: torch.Tensor,
     w13: torch.Tensor,

@@ -1,7 +1,8 @@
 import torch
 import triton
 import triton.language as tl
-from torch.library import triton_op, wrap_triton
+
+from kiln.ops.triton import launch, op
 
 
 @triton.jit
@@ -31,19 +32,19 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor
     out = torch.empty_like(x2)
     total = torch.empty_like(x2) if residual is not None else out
     res = residual.reshape(-1, n).contiguous() if residual is not None else x2
-    wrap_triton(_rms_norm)[(x2.shape[0],)](
+    launch(_rms_norm)[(x2.shape[0],)](
         x2, res, weight, out, total, n, eps,
         HAS_RESIDUAL=residual is not None, BLOCK=triton.next_power_of_2(n),
     )  # fmt: skip
     return out.view(x.shape), total.view(x.shape)
 
 
-@triton_op("kiln::rms_norm", mutates_args=())
+@op("kiln::rms_norm", mutates_args=())
 def _rms_norm_op(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return _launch(x, None, weight, eps)[0]
 
 
-@triton_op("kiln::add_rms_norm", mutates_args=())
+@op("kiln::add_rms_norm", mutates_args=())
 def _add_rms_norm_op(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,7 +1,8 @@
 import torch
 import triton
 import triton.language as tl
-from torch.library import triton_op, wrap_triton
+
+from kiln.ops.triton import launch, op
 
 
 @triton.jit
@@ -32,12 +33,12 @@ def _rotary(pos_ptr, q_ptr, k_ptr, cos_sin_ptr, q_row, q_head, k_row, k_head, n_
     _rotate_heads(k_ptr, k_row, k_head, cos, sin, n_k, half, NEOX, BLOCK_HK, BLOCK_D)
 
 
-@triton_op("kiln::rotary_", mutates_args=("q", "k"))
+@op("kiln::rotary_", mutates_args=("q", "k"))
 def _rotary_op(
     positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin: torch.Tensor, neox: bool
 ) -> None:
     half = cos_sin.shape[-1] // 2
-    wrap_triton(_rotary)[(q.shape[0],)](
+    launch(_rotary)[(q.shape[0],)](
         positions, q, k, cos_sin, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
         q.shape[1], k.shape[1], half, NEOX=neox,
         BLOCK_HQ=triton.next_power_of_2(q.shape[1]), BLOCK_HK=triton.next_power_of_2(k.shape[1]),

@@ -1,9 +1,9 @@
 import torch
 import triton
 import triton.language as tl
-from torch.library import triton_op, wrap_triton
 
 from kiln.ops.sampler import SamplingMetadata
+from kiln.ops.triton import launch, op
 
 
 @triton.jit
@@ -40,7 +40,7 @@ def _sampling_prep(
         tl.store(base + cols, x * inv_temp, mask=mask)
 
 
-@triton_op("kiln::sampling_prep_", mutates_args=("logits",))
+@op("kiln::sampling_prep_", mutates_args=("logits",))
 def sampling_prep_(
     logits: torch.Tensor,
     temperature: torch.Tensor,
@@ -58,7 +58,7 @@ def sampling_prep_(
     """In place on contiguous fp32 logits [B, V]: per-row tensors [B]; prompt_mask [B, V] uint8 and
     output_counts [B, V] int32 (rows may be strided); bias and banned ids in CSR form (indptr [B + 1])."""
     batch, vocab = logits.shape
-    wrap_triton(_sampling_prep)[(batch,)](
+    launch(_sampling_prep)[(batch,)](
         logits, temperature, repetition, frequency, presence, prompt_mask, output_counts,
         bias_indptr, bias_ids, bias_values, banned_indptr, banned_ids, vocab,
         prompt_mask.stride(0) if prompt_mask is not None else 0,
