@@ -110,7 +110,7 @@ class Lowering:
         self.ready = False
         self.misses = 0  # steps after ready whose graph class was never warmed (each ran eagerly)
         self.compile_cache: CompileCache | None = None
-        self._warned_outside = False
+        self._warned_unwarmed = False
 
     def forward(self, graph: str, *args: Any) -> torch.Tensor:
         """The model's forward, with the compiled layer step of the graph class where there is one; before
@@ -195,25 +195,21 @@ class Lowering:
             return self.graphs.capture(num_tokens, functools.partial(self.forward, graph), args)
         if not self.ready or self._compiled is None:
             return self.forward(graph, *args)
-        unwarmed = graph not in self._runs
-        if self.plan.bucket(num_tokens, decode_only) is None or unwarmed:
-            # Once serving nothing is traced: a step outside the buckets, or of a class warmup never ran
-            # (a decode of one where no bucket has size 1), runs eagerly.
-            self.misses += unwarmed
-            if not self._warned_outside:
-                why = (
-                    f"of graph class {graph}, which warmup never ran"
-                    if unwarmed
-                    else "outside the compiled buckets"
-                )
+        if graph not in self._runs:
+            # Once serving nothing is traced: a step of a class warmup never ran (a decode of one where no
+            # bucket has size 1) runs eagerly.
+            self.misses += 1
+            if not self._warned_unwarmed:
                 log.warning(
-                    "a %s step of %d tokens is %s: running it eagerly (logged once)",
+                    "a %s step of %d tokens is of graph class %s, which warmup never ran: running it eagerly "
+                    "(logged once)",
                     "decode" if decode_only else "mixed",
                     num_tokens,
-                    why,
+                    graph,
                 )
-                self._warned_outside = True
+                self._warned_unwarmed = True
             return self.model(*args)
+        # A decode larger than every CUDA graph runs its class's graph without one (its token dim is dynamic).
         return self.forward(graph, *args)
 
     def cache_parts(self, block_size: int) -> dict[str, Any]:
