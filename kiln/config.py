@@ -42,8 +42,10 @@ class CacheConfig(_Section):
 
 
 class SchedulerConfig(_Section):
-    max_num_seqs: Annotated[int, Meta(ge=1)] = 128
-    max_num_batched_tokens: Annotated[int, Meta(ge=1)] = 2048
+    # null: vLLM's server defaults for the device (`on`). vLLM's offline LLM takes more tokens on a GPU (16384
+    # on the large ones, 8192 on others); kiln's LLM takes the server's.
+    max_num_seqs: Annotated[int, Meta(ge=1)] | None = None
+    max_num_batched_tokens: Annotated[int, Meta(ge=1)] | None = None
     # vLLM's chunked-prefill fairness knob: no request prefills more than this many tokens in a step, so a
     # short prompt that arrives while a long one is chunked starts in the next step, beside the long one's
     # chunk. null: on the CPU, where a long prompt's late chunks cost most (BENCHMARKS.md, fairness), 128,
@@ -55,6 +57,22 @@ class SchedulerConfig(_Section):
     # that step's token for the stopped request is dropped. null: on CUDA, where it hides the step's host
     # work behind the GPU; off on the CPU, where the host is the device and there is nothing to hide.
     async_scheduling: bool | None = None
+
+    def on(self, device_type: str, gpu_memory: int = 0, gpu_name: str = "") -> SchedulerConfig:
+        """This section with its batch limits decided for the device: on a GPU of 70 GiB or more other than
+        an A100 (vLLM found an A100 slower with more tokens), 1024 sequences and 8192 tokens a step; on other
+        GPUs 256 and 2048; on a CPU 128 and 2048."""
+        if device_type == "cpu":
+            seqs, tokens = 128, 2048
+        elif gpu_memory >= 70 * 2**30 and "a100" not in gpu_name.lower():
+            seqs, tokens = 1024, 8192
+        else:
+            seqs, tokens = 256, 2048
+        return msgspec.structs.replace(
+            self,
+            max_num_seqs=self.max_num_seqs or seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens or tokens,
+        )
 
     def use_async(self, device_type: str) -> bool:
         return device_type == "cuda" if self.async_scheduling is None else self.async_scheduling
@@ -74,7 +92,8 @@ class ParallelConfig(_Section):
 class CompileConfig(_Section):
     # auto: cudagraph on CUDA (compiled layers, decode steps replayed as CUDA graphs), compiled on a CPU.
     mode: Literal["auto", "eager", "compiled", "cudagraph"] = "auto"
-    # Batch sizes decode steps are padded to (null: 1, 2, 4, 8, then steps of 8 up to max_num_seqs).
+    # Batch sizes decode steps are padded to, each a CUDA graph on a GPU (null: vLLM's, 1, 2, 4, then steps of
+    # 8 to 256 and of 16 to 512, up to max_num_seqs); a larger decode runs the compiled graph without one.
     decode_sizes: list[Annotated[int, Meta(ge=1)]] | None = None
     # Token counts mixed and prefill steps are padded to (null: powers of two up to max_num_batched_tokens).
     token_sizes: list[Annotated[int, Meta(ge=2)]] | None = None

@@ -44,10 +44,17 @@ class BucketPlan:
         return decode + [Bucket("tokens", s) for s in reversed(self.token_sizes)]
 
 
+# vLLM's largest CUDA graph by default: a larger decode's launches are short beside its GPU time.
+MAX_GRAPH_BATCH = 512
+
+
 def default_decode_sizes(max_num_seqs: int) -> list[int]:
-    sizes = [s for s in (1, 2, 4, 8) if s < max_num_seqs] + list(range(8, max_num_seqs + 1, 8))[1:]
-    if not sizes or sizes[-1] != max_num_seqs:
-        sizes.append(max_num_seqs)
+    """vLLM's CUDA-graph batch sizes: 1, 2, 4, steps of 8 to 256, then of 16, up to max_num_seqs or 512."""
+    top = min(max_num_seqs, MAX_GRAPH_BATCH)
+    sizes = [s for s in (1, 2, 4) if s < top] + list(range(8, min(top, 256) + 1, 8))
+    sizes += range(272, top + 1, 16)
+    if not sizes or sizes[-1] != top:
+        sizes.append(top)
     return sizes
 
 

@@ -75,6 +75,7 @@ class FlashInferAttention:
         )
         self.graph_decode: dict[int, flashinfer.BatchDecodeWithPagedKVCacheWrapper] = {}
         self.graph_prefill: dict[int, flashinfer.BatchPrefillWithPagedKVCacheWrapper] = {}
+        self._indices: torch.Tensor | None = None
         build_kernels(head_dim, dtype, device, sliding_window > 0, self.tensor_cores)
         if deterministic and prefill_backend(dtype, device) != "fa3":
             log.warning(
@@ -93,6 +94,16 @@ class FlashInferAttention:
         self.graph_id = next(_IDS)
         _LIVE[self.graph_id] = self
 
+    def _graph_indices(self, batch: int) -> torch.Tensor:
+        """The graphs' page indices, one buffer for all (made at the first graph's size, the largest: they are
+        captured largest first). A step's plan fills it and its graph reads it, in stream order, one step
+        after the other, as a graph shares its own buffers between its steps. One each would hold a batch's
+        rows times max_model_len's pages for every one of up to 51 graphs (hundreds of MB at 128k tokens)."""
+        need = batch * self.max_blocks_per_seq
+        if self._indices is None or self._indices.numel() < need:
+            self._indices = torch.zeros(need, dtype=torch.int32, device=self.device)
+        return self._indices[:need]
+
     def _graph_wrapper(self, batch: int) -> flashinfer.BatchDecodeWithPagedKVCacheWrapper:
         if batch not in self.graph_decode:
             i32 = {"dtype": torch.int32, "device": self.device}
@@ -102,7 +113,7 @@ class FlashInferAttention:
                 use_cuda_graph=True,
                 use_tensor_cores=self.tensor_cores,
                 paged_kv_indptr_buffer=torch.zeros(batch + 1, **i32),
-                paged_kv_indices_buffer=torch.zeros(batch * self.max_blocks_per_seq, **i32),
+                paged_kv_indices_buffer=self._graph_indices(batch),
                 paged_kv_last_page_len_buffer=torch.zeros(batch, **i32),
             )
         return self.graph_decode[batch]
@@ -117,7 +128,7 @@ class FlashInferAttention:
                 use_cuda_graph=True,
                 qo_indptr_buf=torch.zeros(batch + 1, **i32),
                 paged_kv_indptr_buf=torch.zeros(batch + 1, **i32),
-                paged_kv_indices_buf=torch.zeros(batch * self.max_blocks_per_seq, **i32),
+                paged_kv_indices_buf=self._graph_indices(batch),
                 paged_kv_last_page_len_buf=torch.zeros(batch, **i32),
             )
             # FA3's 64 MiB page-to-token index is written and read within one run (one step at a time, as

@@ -1,5 +1,5 @@
 from kiln.compile.buckets import Bucket, BucketPlan, default_decode_sizes, default_token_sizes
-from kiln.config import EngineConfig
+from kiln.config import EngineConfig, SchedulerConfig
 
 
 def test_default_decode_sizes() -> None:
@@ -7,6 +7,23 @@ def test_default_decode_sizes() -> None:
     assert default_decode_sizes(20) == [1, 2, 4, 8, 16, 20]
     assert default_decode_sizes(8) == [1, 2, 4, 8]
     assert default_decode_sizes(1) == [1]
+    # vLLM's CUDA-graph sizes past 256: steps of 16, none above 512.
+    assert default_decode_sizes(1024) == [1, 2, 4, *range(8, 257, 8), *range(272, 513, 16)]
+    assert default_decode_sizes(300) == [1, 2, 4, *range(8, 257, 8), 272, 288, 300]
+
+
+def test_scheduler_defaults_are_vllms_for_the_device() -> None:
+    default, gib = SchedulerConfig(), 2**30
+    limits = {
+        "cpu": default.on("cpu"),
+        "H100": default.on("cuda", 80 * gib, "NVIDIA H100 80GB HBM3"),
+        "A100": default.on("cuda", 80 * gib, "NVIDIA A100-SXM4-80GB"),
+        "L4": default.on("cuda", 23 * gib, "NVIDIA L4"),
+    }
+    got = {k: (c.max_num_seqs, c.max_num_batched_tokens) for k, c in limits.items()}
+    assert got == {"cpu": (128, 2048), "H100": (1024, 8192), "A100": (256, 2048), "L4": (256, 2048)}
+    mine = SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=4096)
+    assert mine.on("cuda", 80 * gib, "NVIDIA H100") == mine
 
 
 def test_default_token_sizes() -> None:

@@ -150,11 +150,12 @@ def test_many_short_prompts_fill_the_step_beside_a_chunked_long_one() -> None:
 
 
 def test_default_chunk_is_128_on_the_cpu_and_the_budget_on_a_gpu() -> None:
-    assert SchedulerConfig().prefill_chunk("cpu") == 128
-    assert SchedulerConfig().prefill_chunk("cpu", tiles=True) == 1024
-    assert SchedulerConfig().prefill_chunk("cuda") == 2048
-    assert SchedulerConfig(long_prefill_token_threshold=0).prefill_chunk("cpu") == 2048
-    assert SchedulerConfig(long_prefill_token_threshold=100).prefill_chunk("cuda") == 100
+    cpu, h100 = SchedulerConfig().on("cpu"), SchedulerConfig().on("cuda", 80 * 2**30, "NVIDIA H100")
+    assert cpu.prefill_chunk("cpu") == 128
+    assert cpu.prefill_chunk("cpu", tiles=True) == 1024
+    assert h100.prefill_chunk("cuda") == 8192
+    assert SchedulerConfig(long_prefill_token_threshold=0).on("cpu").prefill_chunk("cpu") == 2048
+    assert SchedulerConfig(long_prefill_token_threshold=100).on("cuda").prefill_chunk("cuda") == 100
 
 
 def test_max_num_seqs_limits_running_requests() -> None:

@@ -6,6 +6,8 @@ from pathlib import Path
 import pytest
 
 from kiln import LLM, SamplingParams
+from kiln.compile.lowering import compile_counters
+from kiln.engine.output import CompletionOutput
 from tests.models.test_architectures import PROMPTS
 from tests.models.tiny import CONFIGS, build
 
@@ -33,6 +35,29 @@ def test_gpu_greedy_tokens_match_cpu_fp32(arch: str, head_dim: int | None, tmp_p
     assert gpu.engine.backend.kernels == "triton"
     want = [o.outputs[0] for o in cpu.generate(PROMPTS, params, use_tqdm=False)]
     got = [o.outputs[0].token_ids for o in gpu.generate(PROMPTS, params, use_tqdm=False)]
+    same = assert_greedy_agrees(got, want)
+    print(f"{arch} head_dim {head_dim or 'native'}: equal for {same / sum(map(len, got)):.1%} of the tokens")
+    assert gpu.engine.runner.lowering.misses == 0
+
+
+def test_decodes_beyond_the_largest_cuda_graph_run_compiled(tmp_path: Path) -> None:
+    """Graphs of 1 and 2 rows, four sequences: decodes of 3 and 4 run the compiled graph without a CUDA
+    graph (FlashInfer's plan for a step outside the graphs), compile nothing, and agree with the CPU."""
+    build("llama", tmp_path, 128)
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=5)
+    prompts = PROMPTS + PROMPTS[:1]
+    cpu = LLM(str(tmp_path), dtype="float32", kv_cache_gib=0.01, mode="eager", device="cpu")
+    gpu = LLM(str(tmp_path), **GPU_OPTIONS, decode_sizes=[1, 2])
+    assert sorted(gpu.engine.runner.lowering.graphs.captured) == [1, 2]
+    before = compile_counters()
+    got = [o.outputs[0].token_ids for o in gpu.generate(prompts, params, use_tqdm=False)]
+    assert compile_counters() == before
+    assert gpu.engine.runner.lowering.misses == 0
+    assert_greedy_agrees(got, [o.outputs[0] for o in cpu.generate(prompts, params, use_tqdm=False)])
+
+
+def assert_greedy_agrees(got: list[list[int]], want: list[CompletionOutput]) -> int:
+    """got's tokens equal want's up to where they part, at a near-tie of want's; returns the equal count."""
     same = 0
     for g, w in zip(got, want, strict=True):
         part = next((i for i, (a, b) in enumerate(zip(g, w.token_ids, strict=True)) if a != b), len(g))
@@ -44,5 +69,4 @@ def test_gpu_greedy_tokens_match_cpu_fp32(arch: str, head_dim: int | None, tmp_p
             )
             gap = scores[w.token_ids[part]].logprob - scores[g[part]].logprob
             assert gap < NEAR_TIE, f"parted at step {part} where fp32 preferred its token by {gap:.3f} nats"
-    print(f"{arch} head_dim {head_dim or 'native'}: equal for {same / sum(map(len, got)):.1%} of the tokens")
-    assert gpu.engine.runner.lowering.misses == 0
+    return same
