@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -256,12 +257,17 @@ class LLMEngine:
         from the step before, landed while this one runs."""
         outputs: list[RequestOutput] = []
         last, self.in_flight = self.in_flight, None
-        if last is not None and last.constrained:
-            outputs = self.output.process(last, final_only)  # the next bitmasks need these tokens
-            last = None
         batch = self.scheduler.schedule()
         if batch.requests:
-            result = self._launch(batch)
+            land = None
+            if last is not None and last.constrained:
+                # This step's bitmasks need the last one's tokens: they land while its forward runs.
+                landing, last = last, None
+
+                def land() -> None:
+                    outputs.extend(self.output.process(landing, final_only))
+
+            result = self._launch(batch, land)
             if self.async_scheduling:
                 self.in_flight = result
             else:
@@ -272,11 +278,12 @@ class LLMEngine:
             outputs += self.output.process(last, final_only)
         return outputs
 
-    def _launch(self, batch: ScheduledBatch) -> StepResult:
-        result = self.runner.execute(batch)
+    def _launch(self, batch: ScheduledBatch, land: Callable[[], None] | None = None) -> StepResult:
+        result = self.runner.execute(batch, land)
         for req, n in zip(batch.requests, batch.num_new_tokens, strict=True):
             req.num_computed_tokens += n
-            self.block_manager.cache_full_blocks(req)
+            if not req.finished:  # one that land() finished has freed its blocks
+                self.block_manager.cache_full_blocks(req)
         for req in result.sampled:
             req.num_pending += 1
         return result

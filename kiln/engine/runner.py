@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -78,7 +79,10 @@ class ModelRunner:
         return to_device(array, None, self.device)
 
     @torch.inference_mode()
-    def execute(self, batch: ScheduledBatch) -> StepResult:
+    def execute(self, batch: ScheduledBatch, land: Callable[[], None] | None = None) -> StepResult:
+        """Launches the step's forward, then its sampling. land, when given, runs between the two: the
+        engine lands the last step's tokens there, which this step's grammar bitmasks need, while the
+        device runs the forward."""
         reqs, num_new = batch.requests, np.asarray(batch.num_new_tokens, dtype=np.int64)
         num_reqs, num_tokens = len(reqs), int(num_new.sum())
         starts = np.fromiter((r.num_computed_tokens for r in reqs), dtype=np.int64, count=num_reqs)
@@ -104,6 +108,8 @@ class ModelRunner:
         buf.query_start_loc[: num_reqs + 1] = cu
         buf.seq_lens[:num_reqs] = starts + num_new
         hidden = self._forward(num_tokens, num_reqs, bool((num_new == 1).all()), pending)
+        if land is not None:
+            land()
 
         sampling = [i for i, r in enumerate(reqs) if starts[i] + num_new[i] == r.num_tokens + r.num_pending]
         prompt_logprobs = self._prompt_logprobs(reqs, starts, num_new, cu, hidden)

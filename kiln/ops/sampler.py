@@ -200,7 +200,12 @@ def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) 
     (its CPU kernel, or Triton on CUDA)."""
     import xgrammar as xgr  # only once some request is constrained
 
-    xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device, non_blocking=True), indices=rows)
+    # Both through pinned memory: a pageable copy (xgrammar's own, of a list of rows) waits for the step's
+    # forward, a stream sync.
+    device = logits.device
+    xgr.apply_token_bitmask_inplace(
+        logits, to_device(bitmask.numpy(), None, device), indices=to_device(rows, torch.int32, device)
+    )
 
 
 def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:

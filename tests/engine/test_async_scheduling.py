@@ -11,6 +11,7 @@ import pytest
 from kiln import LLM, SamplingParams
 from kiln.engine.engine import LLMEngine
 from kiln.engine.output import RequestOutput
+from kiln.sampling_params import StructuredOutputsParams
 
 pytestmark = pytest.mark.slow
 
@@ -92,3 +93,30 @@ def test_a_request_aborted_while_its_step_runs_gets_nothing_more(engines: dict[b
     alone = engines[False].generate([[5, 6, 7, 8]], params, use_tqdm=False)[0].outputs[0]
     assert kept == alone.token_ids
     assert engine.block_manager.usage == 0.0
+
+
+def test_grammar_rows_land_mid_step_and_match_sync_scheduling(engines: dict[bool, LLM]) -> None:
+    """Under a grammar, the last step's tokens land after this step's forward is launched and before its
+    rows are sampled (their bitmasks need them): outputs equal one step at a time's, when a grammar ends a
+    request, when one ends beside free rows, and after a stop string ends a constrained one."""
+    llm = engines[True]
+    ask = llm.apply_chat_template([{"role": "user", "content": "When was the Eiffel tower built?"}])
+    date = StructuredOutputsParams(regex=r"\d{4}-\d{2}-\d{2}")
+    year = StructuredOutputsParams(choice=["1887", "1889"])
+    schema = {"type": "object", "properties": {"year": {"type": "integer"}}, "required": ["year"]}
+    json = StructuredOutputsParams(json=schema)
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=24),  # free, beside the grammar rows
+        SamplingParams(temperature=1.0, seed=3, n=3, max_tokens=24, structured_outputs=date),
+        SamplingParams(temperature=0.0, max_tokens=8, structured_outputs=year),
+        SamplingParams(temperature=0.0, max_tokens=24, stop=["-"], structured_outputs=date),
+        SamplingParams(temperature=0.7, seed=5, max_tokens=40, logprobs=1, structured_outputs=json),
+    ]
+    prompts = [ask] * len(params)
+    sync, pipelined = (engines[a].generate(prompts, params, use_tqdm=False) for a in (False, True))
+    for s, p in zip(sync, pipelined, strict=True):
+        assert whole(p) == whole(s)
+    texts = [c.text for out in pipelined for c in out.outputs]
+    assert texts[4] in ("1887", "1889") and "-" not in texts[5] and '"year"' in texts[6]
+    assert not llm.engine.has_unfinished()
+    assert llm.engine.block_manager.usage == 0.0

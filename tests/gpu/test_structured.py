@@ -1,8 +1,11 @@
 """Structured output on CUDA: the bitmask filled on the CPU while the GPU runs the forward, applied with
-xgrammar's Triton kernel (built during warmup), beside free rows in CUDA-graph decode steps."""
+xgrammar's Triton kernel (built during warmup), beside free rows in CUDA-graph decode steps, with no
+stream sync in a step."""
 
 import re
 from pathlib import Path
+
+import torch
 
 from kiln import LLM, SamplingParams
 from kiln.sampling_params import StructuredOutputsParams
@@ -17,7 +20,15 @@ def test_constrained_rows_beside_free_ones(tmp_path: Path, default_model_dir: Pa
     so = StructuredOutputsParams(regex=DATE)
     params = [SamplingParams(temperature=1.0, seed=s, max_tokens=16, structured_outputs=so) for s in range(6)]
     free = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
-    outs = llm.generate(["a b c"] * 7, [free, *params], use_tqdm=False)
-    assert len(outs[0].outputs[0].token_ids) == 16  # a free row runs on, unmasked
-    for out in outs[1:]:
-        assert re.fullmatch(DATE, out.outputs[0].text) and out.outputs[0].finish_reason == "stop"
+    first = llm.generate(["a b c"] * 7, [free, *params], use_tqdm=False)
+    # Again with the grammar compiled: a step whose rows are constrained lands the last step's tokens while
+    # its forward runs, and nothing in it may synchronize the stream (sync debug mode raises if it does).
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        again = llm.generate(["a b c"] * 7, [free, *params], use_tqdm=False)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    for outs in (first, again):
+        assert len(outs[0].outputs[0].token_ids) == 16  # a free row runs on, unmasked
+        for out in outs[1:]:
+            assert re.fullmatch(DATE, out.outputs[0].text) and out.outputs[0].finish_reason == "stop"
