@@ -48,8 +48,11 @@ class LLMEngine:
         clock = time.perf_counter()
         path = resolve_model(config.model.model)
         device = resolve_device(config.model.device)
-        gpu = torch.cuda.get_device_properties(device) if device.type == "cuda" else None
-        scheduler = config.scheduler.on(device.type, *((gpu.total_memory, gpu.name) if gpu else ()))
+        if device.type == "cuda":
+            gpu = torch.cuda.get_device_properties(device)
+            scheduler = config.scheduler.on("cuda", gpu.total_memory, gpu.name)
+        else:
+            scheduler = config.scheduler.on(device.type)
         config = msgspec.structs.replace(config, cache=config.cache.on(device.type), scheduler=scheduler)
         self.config = config
         point_caches(cache_root())

@@ -73,8 +73,8 @@ def profile_memory(runner: ModelRunner, utilization: float, max_tokens: int, gra
     runner.allocate_kv(1)
     step = _peak_of(lambda: runner.profile_step(Bucket("tokens", max_tokens)), device)
     sampler = _peak_of(lambda: runner.profile_sampler(runner.max_num_seqs), device)
-    largest = runner.lowering.plan.decode_sizes[-1]
-    pool = _peak_of(lambda: runner.profile_step(Bucket("decode", largest)), device) if graphs else 0
+    largest = Bucket("decode", runner.lowering.plan.decode_sizes[-1])  # the largest CUDA graph
+    pool = _peak_of(lambda: runner.profile_step(largest), device) if graphs else 0
     runner.kv_caches = []
     torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info(device)
