@@ -90,7 +90,7 @@ class LLMEngine:
         self.eos_token_ids = self._eos_ids(path)
         self.grammars = Grammars(lambda: load_tokenizer(config, path), dims.vocab_size, self.eos_token_ids)
         self.runner = ModelRunner(self.model, config, self.max_model_len, self.backend, self.grammars)
-        self.timings["KV cache"] = time.perf_counter() - clock
+        self.timings["runner"] = time.perf_counter() - clock
         num_blocks = kv_cache_blocks(config, self.runner, self.max_model_len, self.timings)
         clock = time.perf_counter()
         self.runner.allocate_kv(num_blocks)
@@ -102,7 +102,7 @@ class LLMEngine:
         self.async_scheduling = config.scheduler.use_async(device.type)
         self.in_flight: StepResult | None = None  # the launched step whose outputs are not yet processed
         self.output = OutputProcessor(self.tokenizer, self.eos_token_ids, self.scheduler.finish)
-        self.timings["KV cache"] += time.perf_counter() - clock
+        self.timings["KV cache"] = time.perf_counter() - clock
         log.info(
             "engine ready: %s (%s), %d KV blocks of %d tokens, max_model_len %d; kernels %s, attention %s, "
             "sampler %s; async scheduling %s",
