@@ -35,7 +35,7 @@ if [ -d .gpu/default ]; then
   cp -a .gpu/default/. "$KILN_CACHE_DIR/models/SmolLM2-135M-Instruct/"
 fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-python3 -c "import torch,triton,flashinfer;print('torch',torch.__version__,'triton',triton.__version__,'flashinfer',flashinfer.__version__)"
+python3 -c "import torch,triton,flashinfer,transformers;print('torch',torch.__version__,'triton',triton.__version__,'flashinfer',flashinfer.__version__,'transformers',transformers.__version__,transformers.__file__)"
 python3 -X importtime -c "import kiln.api.server, kiln.engine.engine, flashinfer" 2> $L/importtime.log
 echo "== slowest imports (cumulative us):"; sort -t'|' -k2 -n $L/importtime.log | tail -6 | cut -c1-120
 python3 -c "import time, torch; c = time.time(); torch.zeros(1, device='cuda'); print('== CUDA start-up %.2f s' % (time.time() - c))"

@@ -13,12 +13,17 @@ from kiln.ops.transfer import to_device
 class TokenCounts:
     """One row per sequence that uses a penalty: the set of its prompt's tokens, and how often each token
     occurs in its output. A row is built from the sequence's ids once, when it first samples (its only
-    pass over them), and freed when the sequence finishes; the rows grow by doubling."""
+    pass over them), and freed when the sequence finishes; the rows grow by doubling. Row 0 stays zero:
+    a step's rows that use no penalty read it.
+
+    Nothing here reads the device or copies to it from pageable memory (async scheduling's overlap), which
+    rules out writing a Python scalar through an index tensor and index_put_ with accumulate on CUDA:
+    both synchronize the stream (torch 2.11)."""
 
     def __init__(self, vocab_size: int, device: torch.device) -> None:
         self.vocab_size, self.device = vocab_size, device
-        self.prompt = torch.zeros(0, vocab_size, dtype=torch.bool, device=device)
-        self.counts = torch.zeros(0, vocab_size, dtype=torch.int32, device=device)
+        self.prompt = torch.zeros(1, vocab_size, dtype=torch.bool, device=device)
+        self.counts = torch.zeros(1, vocab_size, dtype=torch.int32, device=device)
         self.rows: dict[Request, int] = {}
         self.free: list[int] = []
         self._step: tuple[torch.Tensor, torch.Tensor] | None = None  # (batch positions, rows) to update
@@ -37,10 +42,6 @@ class TokenCounts:
                 self._admit(reqs[i])
         index = to_device([self.rows.get(r, 0) for r in reqs], torch.int64, self.device)
         prompt, counts = self.prompt[index], self.counts[index]  # copies: the step may not change the rows
-        if len(users) < len(reqs):
-            rest = [i for i, r in enumerate(reqs) if r not in self.rows]
-            others = to_device(rest, torch.int64, self.device)
-            prompt[others], counts[others] = False, 0
         positions = to_device(users, torch.int64, self.device)
         self._step = (positions, index[positions])
         return Penalties.build([r.params for r in reqs], prompt, counts)
@@ -50,8 +51,8 @@ class TokenCounts:
         if self._step is None:
             return
         positions, rows = self._step
-        ones = torch.ones(len(rows), dtype=torch.int32, device=self.device)
-        self.counts.index_put_((rows, token_ids[positions]), ones, accumulate=True)
+        cells = rows * self.vocab_size + token_ids[positions]
+        self.counts.view(-1).scatter_add_(0, cells, torch.ones_like(cells, dtype=torch.int32))
 
     def _admit(self, req: Request) -> None:
         if not self.free:

@@ -81,12 +81,12 @@ def build(name: str, path: Path, head_dim: int | None = None) -> torch.nn.Module
     return model.eval()
 
 
-def build_default_vocab(path: Path, tokenizer_dir: Path) -> Path:
+def build_default_vocab(path: Path, tokenizer_dir: Path, hidden_size: int = 64) -> Path:
     """A 2-layer random Llama with the default model's tokenizer and chat template (vocabulary 49,152):
-    the API around it is real, and its forward costs next to nothing."""
+    the API around it is real, and its forward costs next to nothing. Head dim: hidden_size / 4."""
     tokenizer = transformers.AutoTokenizer.from_pretrained(tokenizer_dir)
     config = transformers.LlamaConfig(
-        **dict(_LLAMA, vocab_size=len(tokenizer), max_position_embeddings=8192),
+        **dict(_LLAMA, vocab_size=len(tokenizer), max_position_embeddings=8192, hidden_size=hidden_size),
         bos_token_id=None,
         eos_token_id=tokenizer.eos_token_id,
     )

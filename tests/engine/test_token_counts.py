@@ -1,0 +1,57 @@
+"""TokenCounts: the penalties' per-sequence rows, kept up to date by each step's tokens."""
+
+import torch
+
+from kiln.engine.request import Request, Status
+from kiln.engine.token_counts import TokenCounts
+from kiln.ops.sampler import token_counts
+from kiln.sampling_params import SamplingParams
+
+VOCAB = 50
+CPU = torch.device("cpu")
+PENALISED = SamplingParams(repetition_penalty=1.2, frequency_penalty=0.5)
+
+
+def request(rid: str, prompt: list[int], output: list[int], params: SamplingParams) -> Request:
+    return Request(rid, rid, params, prompt + output, len(prompt), 64, text=None)  # type: ignore[arg-type]
+
+
+def expected(reqs: list[Request]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The reference, built from the whole ids; zero rows for requests without penalties."""
+    users = [r if r.params.uses_penalties else None for r in reqs]
+    prompt = token_counts([r.prompt_token_ids if r else [] for r in users], VOCAB, CPU) > 0
+    return prompt, token_counts([r.output_token_ids if r else [] for r in users], VOCAB, CPU)
+
+
+def test_rows_follow_sampled_tokens_free_rows_are_rebuilt_and_other_rows_read_zeros() -> None:
+    counts = TokenCounts(VOCAB, CPU)
+    a = request("a", [1, 2, 2], [5], PENALISED)
+    free = request("free", [3, 5], [9], SamplingParams())
+    c = request("c", [4, 4], [7, 7], PENALISED)
+    reqs = [a, free, c]
+    for sampled in ([9, 9, 7], [5, 1, 7], [9, 9, 2]):
+        pen = counts.penalties(reqs)
+        assert pen is not None
+        prompt, output = expected(reqs)
+        assert torch.equal(pen.prompt_mask, prompt) and torch.equal(pen.output_counts, output)
+        counts.update(torch.tensor(sampled))
+        for r, t in zip(reqs, sampled, strict=True):
+            r.token_ids.append(t)
+
+    # A finished sequence's row goes to the next one, rebuilt from that one's ids alone.
+    a.status = Status.FINISHED
+    d = request("d", [8], [3, 3, 3], PENALISED)
+    reqs = [d, free, c]
+    pen = counts.penalties(reqs)
+    assert pen is not None and counts.rows[d] == 1 and len(counts.rows) == 2
+    prompt, output = expected(reqs)
+    assert torch.equal(pen.prompt_mask, prompt) and torch.equal(pen.output_counts, output)
+
+    # Growing past the first rows keeps every row's counts.
+    more = [request(f"m{i}", [i], [i + 1] * i, PENALISED) for i in range(10)]
+    reqs = [d, free, c, *more]
+    pen = counts.penalties(reqs)
+    assert pen is not None
+    prompt, output = expected(reqs)
+    assert torch.equal(pen.prompt_mask, prompt) and torch.equal(pen.output_counts, output)
+    assert counts.penalties([free]) is None
