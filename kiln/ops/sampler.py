@@ -245,12 +245,15 @@ def prepare_logits(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor
 
 
 def apply_penalties(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
-    """Banned ids, logit bias, then repetition/frequency/presence penalties; may modify logits in place."""
+    """Banned ids, logit bias, then repetition/frequency/presence penalties; may modify logits in place.
+    Written so that nothing synchronizes a GPU's stream: no Python scalar through an index tensor (a
+    pageable copy to the device), no index_put_ with accumulate (it checks its indices on the host); a
+    row's bias ids are distinct (a dict's keys), so a plain index add is the same sum."""
     if meta.banned is not None:
-        logits[meta.banned] = float("-inf")
+        logits[meta.banned] = logits.new_full((), float("-inf"))
     if meta.logit_bias is not None:
         rows, ids, values = meta.logit_bias
-        logits.index_put_((rows, ids), values, accumulate=True)
+        logits[rows, ids] += values
     pen = meta.penalties
     if pen is not None:
         in_output = pen.output_counts > 0
