@@ -262,9 +262,13 @@ class ModelRunner:
             penalties = Penalties.from_ids([p] * 2, [[0]] * 2, [[]] * 2, vocab, self.device)
             meta = SamplingMetadata.build([p] * 2, [None] * 2, ban, vocab, self.device, penalties)
             throwaway(torch.zeros(2, vocab, device=self.device), meta)
-        if self.device.type == "cuda":  # xgrammar's bitmask kernel is Triton, built on first use
-            allowed = torch.full((2, (vocab + 31) // 32), -1, dtype=torch.int32)
-            self.sampler.mask(torch.zeros(2, vocab, device=self.device), allowed, [0])
+        if self.device.type == "cuda":
+            # xgrammar's bitmask kernel is Triton, built on first use, and Triton builds a variant for each
+            # kind of row count it specializes (1, a multiple of 16, any other).
+            allowed = torch.full((16, (vocab + 31) // 32), -1, dtype=torch.int32)
+            logits = torch.zeros(16, vocab, device=self.device)
+            for rows in (1, 2, 16):
+                self.sampler.mask(logits, allowed, list(range(rows)))
 
     def _prompt_logprobs(
         self,

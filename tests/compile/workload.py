@@ -1,6 +1,10 @@
 """A workload that reaches every step shape serving can produce, and the check that running it after
 warmup compiled nothing (by torch's own counters). Shared by the CPU test and tests/gpu."""
 
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
 from kiln import LLM, SamplingParams
 from kiln.compile.lowering import compile_counters
 
@@ -35,9 +39,30 @@ def varied_workload(llm: LLM) -> None:
     llm.generate([_prompt(11, 5)] * len(sampled), sampled, use_tqdm=False)
 
 
+@contextlib.contextmanager
+def triton_compiles() -> Iterator[list[str]]:
+    """The Triton kernels built meanwhile (compiled, or loaded from Triton's disk cache) by a launch outside
+    Inductor's graphs: one per kernel and specialization that warmup did not build. None under Triton's
+    interpreter, which builds nothing."""
+    from triton import knobs
+
+    built: list[str] = []
+
+    def hook(*, fn: Any, **_: Any) -> None:
+        built.append(fn.name)
+
+    previous, knobs.runtime.jit_post_compile_hook = knobs.runtime.jit_post_compile_hook, hook
+    try:
+        yield built
+    finally:
+        knobs.runtime.jit_post_compile_hook = previous
+
+
 def assert_nothing_compiles_after_ready(llm: LLM) -> None:
     before = compile_counters()
-    varied_workload(llm)
+    with triton_compiles() as built:
+        varied_workload(llm)
     after = compile_counters()
     assert after == before, {k: (before[k], after[k]) for k in before if before[k] != after[k]}
+    assert not built, f"Triton kernels built after ready: {built}"
     assert llm.engine.runner.lowering.misses == 0
