@@ -200,6 +200,8 @@ class Grammars:
 
     def check(self, params: StructuredOutputsParams) -> Constraint:
         """Parses the constraint (cached); raises ValueError naming what is wrong with it."""
+        if not self._stop_ids:  # xgrammar ends a grammar on a stop token, and refuses a tokenizer without one
+            raise ValueError("structured output needs a model with an end-of-sequence token; it has none")
         constraint = Constraint.of(params)
         self._entry(constraint)
         return constraint

@@ -87,6 +87,16 @@ def test_bad_constraints(grammars: Grammars, params: StructuredOutputsParams, sa
         grammars.check(params)
 
 
+def test_a_model_without_an_end_token_refuses_constraints(default_model_dir: Path) -> None:
+    """xgrammar ends a grammar on a stop token: without one, a clear error when the request arrives (not
+    an abort once it is queued)."""
+    load = lambda: AutoTokenizer.from_pretrained(default_model_dir)
+    g = Grammars(load, len(load()), set())
+    with pytest.raises(ValueError, match="needs a model with an end-of-sequence token"):
+        g.check(S(regex="a+"))
+    g.close()
+
+
 def test_params_take_exactly_one_constraint() -> None:
     with pytest.raises(ValueError, match="exactly one"):
         S()
