@@ -1,4 +1,5 @@
-"""Builds, in one parallel ninja run, every FlashInfer module the GPU tests and benchmark load."""
+"""Builds, in one parallel ninja run, every FlashInfer module the GPU tests and benchmark load; then kiln's
+CPU kernels."""
 
 import itertools
 import logging
@@ -12,6 +13,7 @@ from kiln.paths import cache_root
 point_caches(cache_root())
 from flashinfer.jit import build_jit_specs  # noqa: E402
 
+from kiln.ops.cpu import native  # noqa: E402
 from kiln.ops.flashinfer_attention import kernel_specs  # noqa: E402
 
 logging.basicConfig(level=logging.INFO)
@@ -26,3 +28,8 @@ for hd, window, tc, dtype in combos:
 clock = time.time()
 build_jit_specs(list(specs.values()))
 print(f"prebuild: {len(specs)} FlashInfer modules ready in {time.time() - clock:.1f} s", flush=True)
+# kiln's CPU kernels, which test_end_to_end's CPU reference loads: built once here, not by each of its
+# xdist workers at the same moment.
+clock = time.time()
+native.load()
+print(f"prebuild: kiln's CPU kernels ready in {time.time() - clock:.1f} s", flush=True)

@@ -50,14 +50,16 @@ class Penalties:
 
 
 def token_counts(ids: list[list[int]], vocab_size: int, device: torch.device) -> torch.Tensor:
-    """[len(ids), vocab_size] int32: how often each token occurs in each row of ids."""
+    """[len(ids), vocab_size] int32, contiguous: how often each token occurs in each row of ids. Contiguous
+    as TokenCounts' rows are: the Triton prep kernel is built for its row stride's divisibility, and warmup
+    builds it from these."""
     width = max((len(row) for row in ids), default=0)
-    # The padding id is vocab_size: it lands in an extra column that is then dropped.
-    padded = to_device([row + [vocab_size] * (width - len(row)) for row in ids], torch.int64, device)
-    padded = padded.view(len(ids), width)
-    counts = torch.zeros(len(ids), vocab_size + 1, dtype=torch.int32, device=device)
-    counts.scatter_add_(1, padded, torch.ones_like(padded, dtype=torch.int32))
-    return counts[:, :vocab_size]
+    # Padding adds 0 to token 0.
+    padded = to_device([row + [0] * (width - len(row)) for row in ids], torch.int64, device)
+    ones = to_device([[1] * len(row) + [0] * (width - len(row)) for row in ids], torch.int32, device)
+    counts = torch.zeros(len(ids), vocab_size, dtype=torch.int32, device=device)
+    counts.scatter_add_(1, padded.view(len(ids), width), ones.view(len(ids), width))
+    return counts
 
 
 @dataclass(slots=True)

@@ -4,7 +4,7 @@ import torch
 
 from kiln.engine.request import Request, Status
 from kiln.engine.token_counts import TokenCounts
-from kiln.ops.sampler import token_counts
+from kiln.ops.sampler import Penalties, token_counts
 from kiln.sampling_params import SamplingParams
 
 VOCAB = 50
@@ -55,3 +55,15 @@ def test_rows_follow_sampled_tokens_free_rows_are_rebuilt_and_other_rows_read_ze
     prompt, output = expected(reqs)
     assert torch.equal(pen.prompt_mask, prompt) and torch.equal(pen.output_counts, output)
     assert counts.penalties([free]) is None
+
+
+def test_warmups_penalties_have_the_layout_of_servings() -> None:
+    """Warmup builds the Triton prep kernel from Penalties.from_ids; a step takes TokenCounts' rows. Triton
+    builds a kernel per divisibility of its int arguments (the rows' strides among them), so the two must
+    lay their rows out alike, or the first penalised request after ready builds another."""
+    reqs = [request("a", [1, 2], [3], PENALISED), request("b", [4], [], PENALISED)]
+    serving = TokenCounts(VOCAB, CPU).penalties(reqs)
+    warm = Penalties.from_ids([PENALISED] * 2, [[0]] * 2, [[]] * 2, VOCAB, CPU)
+    assert serving is not None
+    for name in ("prompt_mask", "output_counts"):
+        assert getattr(warm, name).stride() == getattr(serving, name).stride() == (VOCAB, 1), name
