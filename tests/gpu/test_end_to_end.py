@@ -44,7 +44,9 @@ def test_decodes_beyond_the_largest_cuda_graph_run_compiled(tmp_path: Path) -> N
     """Graphs of 1 and 2 rows, four sequences: decodes of 3 and 4 run the compiled graph without a CUDA
     graph (FlashInfer's plan for a step outside the graphs), compile nothing, and agree with the CPU."""
     build("llama", tmp_path, 128)
-    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=5)
+    # One ends early: decodes of 4 rows, then of 3.
+    params = [SamplingParams(temperature=0, max_tokens=8 if i == 0 else 16, ignore_eos=True, logprobs=5)
+              for i in range(4)]  # fmt: skip
     prompts = PROMPTS + PROMPTS[:1]
     cpu = LLM(str(tmp_path), dtype="float32", kv_cache_gib=0.01, mode="eager", device="cpu")
     gpu = LLM(str(tmp_path), **GPU_OPTIONS, decode_sizes=[1, 2])
