@@ -54,11 +54,11 @@ def token_counts(ids: list[list[int]], vocab_size: int, device: torch.device) ->
     as TokenCounts' rows are: the Triton prep kernel is built for its row stride's divisibility, and warmup
     builds it from these."""
     width = max((len(row) for row in ids), default=0)
-    # Padding adds 0 to token 0.
-    padded = to_device([row + [0] * (width - len(row)) for row in ids], torch.int64, device)
-    ones = to_device([[1] * len(row) + [0] * (width - len(row)) for row in ids], torch.int32, device)
+    padded = to_device([row + [vocab_size] * (width - len(row)) for row in ids], torch.int64, device)
+    padded = padded.view(len(ids), width)
     counts = torch.zeros(len(ids), vocab_size, dtype=torch.int32, device=device)
-    counts.scatter_add_(1, padded.view(len(ids), width), ones.view(len(ids), width))
+    # A padding id (vocab_size) is clamped onto the last token and adds 0 to it.
+    counts.scatter_add_(1, padded.clamp(max=vocab_size - 1), (padded < vocab_size).to(torch.int32))
     return counts
 
 
