@@ -14,9 +14,10 @@ from pathlib import Path
 from typing import Any
 
 from kiln.config import EngineConfig
-from kiln.engine.engine import LLMEngine, load_tokenizer
+from kiln.engine.engine import LLMEngine
 from kiln.engine.metrics import Metrics
 from kiln.engine.output import RequestOutput, merge
+from kiln.engine.tokenizer import load_tokenizer
 from kiln.sampling_params import SamplingParams, StructuredOutputsParams
 
 log = logging.getLogger(__name__)

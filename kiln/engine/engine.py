@@ -10,7 +10,6 @@ from typing import Any
 
 import msgspec
 import torch
-from transformers import AutoTokenizer, GenerationConfig
 
 from kiln.compile.cache import CompileCache, point_caches
 from kiln.compile.lowering import BucketReport
@@ -24,6 +23,7 @@ from kiln.engine.request import Request
 from kiln.engine.runner import ModelRunner
 from kiln.engine.scheduler import ScheduledBatch, Scheduler
 from kiln.engine.step_result import StepResult
+from kiln.engine.tokenizer import eos_token_ids, load_tokenizer
 from kiln.models.loader import inspect_model, load_model, resolve_model
 from kiln.ops.backend import choose_backend
 from kiln.ops.cpu import threads
@@ -34,10 +34,6 @@ from kiln.sampling_params import SamplingParams
 log = logging.getLogger(__name__)
 
 MAX_LOGPROBS = 20  # vLLM's default cap on logprobs and prompt_logprobs
-
-
-def load_tokenizer(config: EngineConfig, model_path: Path) -> Any:
-    return AutoTokenizer.from_pretrained(config.model.tokenizer or model_path, local_files_only=True)
 
 
 class LLMEngine:
@@ -87,7 +83,7 @@ class LLMEngine:
         self.timings["tokenizer"] = time.perf_counter() - clock
         clock = time.perf_counter()
         self.model_path = path
-        self.eos_token_ids = self._eos_ids(path)
+        self.eos_token_ids = eos_token_ids(self.tokenizer, path)
         self.grammars = Grammars(lambda: load_tokenizer(config, path), dims.vocab_size, self.eos_token_ids)
         self.runner = ModelRunner(self.model, config, self.max_model_len, self.backend, self.grammars)
         self.timings["runner"] = time.perf_counter() - clock
@@ -141,13 +137,6 @@ class LLMEngine:
         cache = self.runner.lowering.compile_cache
         assert cache is not None, "warmup() makes the compile cache entry"
         return cache
-
-    def _eos_ids(self, path: Path) -> set[int]:
-        ids = {self.tokenizer.eos_token_id} - {None}
-        if (path / "generation_config.json").is_file():
-            eos = GenerationConfig.from_pretrained(path).eos_token_id
-            ids |= set(eos if isinstance(eos, list) else [eos]) - {None}
-        return ids
 
     # -- admission ----------------------------------------------------------------------------
 
