@@ -148,7 +148,7 @@ class Lowering:
         buf.slot_mapping[pad] = -1
         buf.query_start_loc[num_reqs + 1 : graph + 1] = np.arange(num_reqs + 1, graph + 1)
         buf.seq_lens[pad] = 1
-        buf.block_table[pad] = buf.padding_block
+        buf.fill_blocks(pad, buf.padding_block)
         return PaddedStep(graph, graph, buf.block_table.shape[1], True)
 
     def _graph_batch(self, num_reqs: int, decode_only: bool) -> int | None:

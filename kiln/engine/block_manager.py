@@ -85,10 +85,10 @@ class BlockManager:
 
     def cache_full_blocks(self, req: Request) -> None:
         """Registers the blocks whose KV is now complete, so later requests can share them."""
-        if not self.enable_prefix_caching:
+        full = min(req.num_computed_tokens, req.num_tokens) // self.block_size  # (pending ids aren't known)
+        if not self.enable_prefix_caching or full <= req.num_registered_blocks:  # most steps fill no block
             return
         self.update_hashes(req)
-        full = min(req.num_computed_tokens, req.num_tokens) // self.block_size  # (pending ids aren't known)
         for i in range(req.num_registered_blocks, full):
             block_id = req.block_ids[i]
             if self.hashes[block_id] is None:

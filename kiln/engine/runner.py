@@ -83,42 +83,48 @@ class ModelRunner:
         """Launches the step's forward, then its sampling. land, when given, runs between the two: the
         engine lands the last step's tokens there, which this step's grammar bitmasks need, while the
         device runs the forward."""
-        reqs, num_new = batch.requests, np.asarray(batch.num_new_tokens, dtype=np.int64)
-        num_reqs, num_tokens = len(reqs), int(num_new.sum())
-        starts = np.fromiter((r.num_computed_tokens for r in reqs), dtype=np.int64, count=num_reqs)
-        cu = np.concatenate([[0], np.cumsum(num_new)])
+        reqs, new = batch.requests, batch.num_new_tokens
+        num_reqs = len(reqs)
+        # Python ints for the loop over requests (a numpy scalar costs several times more per operation).
+        starts = [r.num_computed_tokens for r in reqs]
+        cu = list(itertools.accumulate(new, initial=0))
+        num_tokens = cu[-1]
 
-        # Per request, not per token: copy its new tokens and its block table row. A pending token is the
-        # last of its request's new tokens; the device fills it in from the last step's samples.
+        # Per request, not per token: copy its new tokens and its new block ids. A pending token is the last
+        # of its request's new tokens; the device fills it in from the last step's samples.
         buf = self.buf
         pending: list[tuple[int, int]] = []  # (its position in the flat batch, its row in last_tokens)
         for i, r in enumerate(reqs):
-            known = min(starts[i] + num_new[i], r.num_tokens)
-            buf.input_ids[cu[i] : cu[i] + known - starts[i]] = r.token_ids[starts[i] : known]
-            if known < starts[i] + num_new[i]:
+            start, end = starts[i], starts[i] + new[i]
+            known = min(end, r.num_tokens)
+            if known > start:
+                buf.input_ids[cu[i] : cu[i] + known - start] = r.token_ids[start:known]
+            if known < end:
                 pending.append((cu[i + 1] - 1, self.last_rows[r]))
-            buf.block_table[i, : len(r.block_ids)] = r.block_ids
+            buf.set_blocks(i, r.block_ids)
+        num_new, cu_np = np.asarray(new, dtype=np.int64), np.asarray(cu, dtype=np.int64)
+        starts_np = np.asarray(starts, dtype=np.int64)
         req_of_token = np.repeat(np.arange(num_reqs), num_new)
-        positions = np.arange(num_tokens) - cu[req_of_token] + starts[req_of_token]
+        positions = np.arange(num_tokens) - cu_np[req_of_token] + starts_np[req_of_token]
         buf.positions[:num_tokens] = positions
         buf.slot_mapping[:num_tokens] = (
             buf.block_table[req_of_token, positions // self.block_size] * self.block_size
             + positions % self.block_size
         )
-        buf.query_start_loc[: num_reqs + 1] = cu
-        buf.seq_lens[:num_reqs] = starts + num_new
+        buf.query_start_loc[: num_reqs + 1] = cu_np
+        buf.seq_lens[:num_reqs] = starts_np + num_new
         hidden = self._forward(num_tokens, num_reqs, bool((num_new == 1).all()), pending)
         if land is not None:
             land()
 
-        sampling = [i for i, r in enumerate(reqs) if starts[i] + num_new[i] == r.num_tokens + r.num_pending]
-        prompt_logprobs = self._prompt_logprobs(reqs, starts, num_new, cu, hidden)
+        sampling = [i for i, r in enumerate(reqs) if starts[i] + new[i] == r.num_tokens + r.num_pending]
+        prompt_logprobs = self._prompt_logprobs(reqs, starts, new, cu, hidden)
         if not sampling:
             self.last_rows = {}
             return StepResult.launched([], None, prompt_logprobs)
         sampled = [reqs[i] for i in sampling]
         allowed = self._allowed(sampled)  # on the CPU, while a GPU runs the forward
-        logits = self.model.compute_logits(hidden[self._tensor(cu[1:][sampling] - 1)])
+        logits = self.model.compute_logits(hidden[self._tensor(cu_np[1:][sampling] - 1)])
         meta = SamplingMetadata.build(
             [r.params for r in sampled],
             [r.generator for r in sampled],
@@ -213,7 +219,7 @@ class ModelRunner:
         buf.slot_mapping[:size] = -1
         buf.query_start_loc[: n + 1] = cu
         buf.seq_lens[:n] = q_lens
-        buf.block_table[:n] = 0
+        buf.fill_blocks(slice(0, n), 0)
         return size, n
 
     @torch.inference_mode()
@@ -271,22 +277,19 @@ class ModelRunner:
                 self.sampler.mask(logits, allowed, list(range(rows)))
 
     def _prompt_logprobs(
-        self,
-        reqs: list[Request],
-        starts: np.ndarray,
-        num_new: np.ndarray,
-        cu: np.ndarray,
-        hidden: torch.Tensor,
+        self, reqs: list[Request], starts: list[int], new: list[int], cu: list[int], hidden: torch.Tensor
     ) -> dict[Request, PromptLogprobs]:
         out = {}
         for i, r in enumerate(reqs):
             k = r.params.prompt_logprobs
-            start = int(starts[i])
-            # Rows whose next token is still a prompt token.
-            end = min(start + int(num_new[i]), r.num_prompt_tokens - 1)
-            if k is None or end <= start:
+            if k is None:
                 continue
-            logits = self.model.compute_logits(hidden[int(cu[i]) : int(cu[i]) + end - start])
+            start = starts[i]
+            # Rows whose next token is still a prompt token.
+            end = min(start + new[i], r.num_prompt_tokens - 1)
+            if end <= start:
+                continue
+            logits = self.model.compute_logits(hidden[cu[i] : cu[i] + end - start])
             targets = to_device(r.token_ids[start + 1 : end + 1], torch.int64, self.device)
             out[r] = PromptLogprobs(start, *compute_logprobs(logits, targets, k))
         return out

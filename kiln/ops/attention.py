@@ -44,6 +44,24 @@ class StepLayout:
     decode_only: bool
     graph: bool  # the step replays a captured CUDA graph of batch B
 
+    def paged(self, block_size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """The step's pages in CSR form, int32: (indptr [B+1], indices, last_page_len [B], kv_lens [B]).
+        An empty request (a padding row) still gets one page, so no request has zero pages. Only the
+        columns some request reads are scanned: a graph's table is max_model_len wide."""
+        lens = self.seq_lens.astype(np.int64)
+        pages = np.maximum(1, -(-lens // block_size))
+        last_page_len = np.maximum(1, lens - (pages - 1) * block_size)
+        table = self.block_table[:, : int(pages.max(initial=1))]
+        indices = table[np.arange(table.shape[1])[None, :] < pages[:, None]]
+        indptr = np.concatenate([[0], np.cumsum(pages)])
+        kv_lens = (pages - 1) * block_size + last_page_len
+        return (
+            indptr.astype(np.int32),
+            indices.astype(np.int32),
+            last_page_len.astype(np.int32),
+            kv_lens.astype(np.int32),
+        )
+
 
 class AttentionHeads(Protocol):
     """The shape of a model's attention (ModelDims has it)."""

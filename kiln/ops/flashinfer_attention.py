@@ -143,20 +143,14 @@ class FlashInferAttention:
         self._planned.record()
 
     def _plan(self, layout: StepLayout) -> None:
-        lens = layout.seq_lens.astype(np.int64)
-        # An empty request (a padding row) still gets one page, so no request has zero pages.
-        pages = np.maximum(1, -(-lens // self.block_size))
-        last_page_len = np.maximum(1, lens - (pages - 1) * self.block_size).astype(np.int32)
-        indptr = np.concatenate([[0], np.cumsum(pages)]).astype(np.int32)
-        table = layout.block_table
-        indices = table[np.arange(table.shape[1])[None, :] < pages[:, None]].astype(np.int32)
+        indptr, indices, last_page_len, kv_lens = layout.paged(self.block_size)
         # plan() reads the page pointers and lengths on the host and copies them from pinned memory without a
         # sync; host page indices it would copy into a CUDA-graph wrapper's buffer blocking (a sync), so they
         # go to the device first.
         paged = [pinned(indptr), to_device(indices, None, self.device), pinned(last_page_len)]
         # The KV lengths, as FlashInfer would compute them from the pages: given pinned, the prefill plan's
         # copy of them is queued too.
-        kv_lens = pinned(((pages - 1) * self.block_size + last_page_len).astype(np.int32))
+        kv_lens = pinned(kv_lens)
         common = {
             "num_qo_heads": self.num_heads,
             "num_kv_heads": self.num_kv_heads,
@@ -168,14 +162,14 @@ class FlashInferAttention:
         }
         qo_indptr = pinned(layout.query_start_loc.astype(np.int32))
         if self.deterministic:
-            self._active = self._graph_prefill(len(lens)) if layout.graph else self.prefill
+            self._active = self._graph_prefill(len(layout.seq_lens)) if layout.graph else self.prefill
             self._active.plan(
                 qo_indptr, *paged, head_dim_qk=self.head_dim, causal=True, disable_split_kv=True,
                 seq_lens=kv_lens, **common,
             )  # fmt: skip
             return
         if layout.decode_only:
-            batch = len(lens)
+            batch = len(layout.seq_lens)
             self._active = self._graph_wrapper(batch) if layout.graph else self.decode
             self._active.plan(*paged, head_dim=self.head_dim, **common)
             return

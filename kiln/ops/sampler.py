@@ -97,7 +97,7 @@ class SamplingMetadata:
 
         # Greedy rows never reach the filters: they count as off, so they don't trigger that work.
         def per_row(value: Callable[[SamplingParams], float], off: float) -> list[float]:
-            return [off if p.greedy else value(p) for p in params]
+            return [off if g else value(p) for p, g in zip(params, greedy, strict=True)]
 
         temperature = per_row(lambda p: p.temperature, 1.0)
         top_k = per_row(lambda p: min(p.top_k_or_off or vocab_size, vocab_size), vocab_size)

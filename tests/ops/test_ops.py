@@ -1,5 +1,6 @@
 """Torch reference ops against transformers' implementations and naive loops."""
 
+import numpy as np
 import pytest
 import torch
 from transformers.models.gptj.modeling_gptj import apply_rotary_pos_emb as gptj_rotary
@@ -7,7 +8,7 @@ from transformers.models.gptj.modeling_gptj import create_sinusoidal_positions
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb as llama_rotary
 
-from kiln.ops.attention import attention
+from kiln.ops.attention import StepLayout, attention
 from kiln.ops.moe import moe_experts, route
 from kiln.ops.norm import rms_norm
 from kiln.ops.rotary import apply_rotary, rope_cos_sin, rope_inv_freq
@@ -151,3 +152,18 @@ def test_paged_attention_mixed_batch_on_cached_prefix() -> None:
         torch.testing.assert_close(out[start : start + n], expected, rtol=1e-5, atol=1e-5)
         rows.append(start)
         start += n
+
+
+def test_paged_tables_read_each_rows_own_pages_of_a_wide_table() -> None:
+    """FlashInfer's page tables (StepLayout.paged) from a graph's full-width block table: each row's pages
+    in order, a padding row (length 0) one page, and nothing past a row's last page."""
+    seq_lens = np.array([1, 16, 17, 0, 40], dtype=np.int32)
+    table = np.arange(5 * 64, dtype=np.int32).reshape(5, 64)  # max_model_len 1,024 at 16 a block
+    layout = StepLayout(np.arange(6, dtype=np.int32), seq_lens, table, decode_only=True, graph=True)
+    indptr, indices, last_page_len, kv_lens = layout.paged(16)
+    pages = [1, 1, 2, 1, 3]
+    assert indptr.tolist() == [0, 1, 2, 4, 5, 8]
+    assert indices.tolist() == [i for row, n in enumerate(pages) for i in table[row, :n].tolist()]
+    assert last_page_len.tolist() == [1, 16, 1, 1, 8]
+    assert kv_lens.tolist() == [1, 16, 17, 1, 40]
+    assert {a.dtype for a in (indptr, indices, last_page_len, kv_lens)} == {np.dtype(np.int32)}
