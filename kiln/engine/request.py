@@ -48,6 +48,7 @@ class Request:
     num_computed_tokens: int = 0
     num_pending: int = 0
     num_cached_tokens: int = -1  # prompt tokens served from the prefix cache at first admission
+    # Appended to, or replaced by a new list; never changed in place (StepBuffers.set_blocks relies on it).
     block_ids: list[int] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)
     num_registered_blocks: int = 0  # leading blocks already offered to the prefix cache

@@ -34,7 +34,8 @@ def test_cudagraph_replay_equals_eager_for_every_decode_bucket(head_dim: int, tm
             runner.buf.query_start_loc[: n + 1] = np.arange(n + 1)
             runner.buf.seq_lens[:n] = lens
             width = runner.buf.block_table.shape[1]
-            runner.buf.block_table[:n] = [rng.permutation(runner.buf.padding_block)[:width] for _ in range(n)]
+            for row in range(n):  # through set_blocks, which keeps track of what each row holds
+                runner.buf.set_blocks(row, rng.permutation(runner.buf.padding_block)[:width].tolist())
             num_tokens, args = runner.step_inputs(n, n, True)
             assert num_tokens == bucket
             replayed = runner.lowering(num_tokens, True, *args)[:n].clone()
