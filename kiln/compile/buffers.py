@@ -36,7 +36,7 @@ class StepBuffers:
     def fill_blocks(self, rows: slice, block: int) -> None:
         """Every entry of the rows is block (padding rows, warm steps)."""
         self.block_table[rows] = block
-        self.rows[rows] = [(None, 0)] * len(range(*rows.indices(len(self.rows))))
+        self.rows[rows] = [(None, 0)] * len(self.rows[rows])
 
     def width(self, num_reqs: int) -> int:
         """Block-table columns this step reads: its longest context's blocks, and at least two."""
