@@ -3,7 +3,8 @@ one invocation share the random model folders):
 
 - copy: device-to-device copy bandwidth, the roofline batch-1 decode is a fraction of;
 - batch1: batch-1 decode on a Llama-3-8B-shaped model (random bf16 weights): tokens/s, and the bandwidth
-  it achieves, (weight bytes + KV bytes read per step) x steps/s, as a fraction of copy's;
+  it achieves, (weight bytes + KV bytes read per step) x steps/s, as a fraction of copy's; then the decode
+  graph's replays under the torch profiler: how many kernels a step runs, and the longest;
 - throughput: nano-vllm's workload (256 sequences, input and output lengths uniform in [100, 1024],
   ignore_eos) on a Qwen3-0.6B-shaped model; then the workload again step by step, with 50 steps of a
   nearly full decode batch under the torch profiler: the GPU's busy share of their wall time, and the
@@ -161,11 +162,13 @@ def kiln_batch1(path: Path, prompt_len: int, new_tokens: int, result: dict) -> f
     with torch.inference_mode():
         result["batch1_kiln_replay_ms"] = gpu_ms(graph.graph.replay)
         result["batch1_kiln_logits_ms"] = gpu_ms(lambda: engine.model.compute_logits(graph.output[:1]))
+        result["batch1_kiln_graph_kernels"] = device_kernels(graph.graph.replay, 20)
     result["batch1_kiln_step_ms"] = seconds / (new_tokens - 1) * 1e3
     log.info(
         "kiln batch-1 step %.2f ms: decode graph %.2f ms, logits %.2f ms on the GPU",
         *(result[f"batch1_kiln_{k}_ms"] for k in ("step", "replay", "logits")),
     )
+    log_kernels("kiln's batch-1 decode graph, replayed", result["batch1_kiln_graph_kernels"])
     return (new_tokens - 1) / seconds
 
 
@@ -207,44 +210,59 @@ def kiln_throughput(path: Path, work: list[tuple[list[int], int]], result: dict)
     return sum(len(o.outputs[0].token_ids) for o in out) / seconds
 
 
+def device_kernels(run: Callable[[], object], calls: int) -> dict:
+    """`run` called `calls` times under the torch profiler, per call: wall ms, the GPU's busy ms (its
+    kernels' and copies' time), how many it ran, and the 15 longest by total time. A graph replay's kernels
+    are counted one by one (CUPTI reports each node)."""
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        torch.cuda.synchronize()
+        clock = time.perf_counter()
+        for _ in range(calls):
+            run()
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - clock
+    device = sorted(
+        (e for e in prof.key_averages() if e.self_device_time_total > 0),
+        key=lambda e: e.self_device_time_total,
+        reverse=True,
+    )
+    return {
+        "wall_ms": wall / calls * 1e3,
+        "busy_ms": sum(e.self_device_time_total for e in device) / calls / 1e3,
+        "kernels": sum(e.count for e in device) / calls,
+        "kernels_ms": {e.key[:120]: e.self_device_time_total / calls / 1e3 for e in device[:15]},
+    }
+
+
+def log_kernels(what: str, k: dict) -> None:
+    log.info(
+        "%s: %.2f ms a call, the GPU busy %.2f ms of it in %.0f kernels and copies; the longest:\n%s",
+        what, k["wall_ms"], k["busy_ms"], k["kernels"],
+        "\n".join(f"  {ms:8.3f} ms  {name}" for name, ms in k["kernels_ms"].items()),
+    )  # fmt: skip
+
+
 def decode_breakdown(
     engine: LLMEngine, work: list[tuple[list[int], int]], params: list[SamplingParams], result: dict
 ) -> None:
     """The workload again, step by step: after 100 steps (every prompt prefilled, no request finished),
     50 steps run under the torch profiler (a few requests finish in them). What their wall time has beyond
-    the GPU's kernel time is where the GPU waited for the host; the kernels by total time say what a
-    step's GPU time is spent on."""
+    the GPU's busy time is where the GPU waited for the host; the kernels by total time say what a step's
+    GPU time is spent on."""
     ids = [f"breakdown-{i}" for i in range(len(work))]
     for rid, (prompt, _), p in zip(ids, work, params, strict=True):
         engine.add_request(rid, prompt, p)
     for _ in range(100):
         engine.step(final_only=True)
-    cuda = engine.runner.device.type == "cuda"
     batch = len(engine.scheduler.running)
-    activity = ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU
-    with profile(activities=[activity]) as prof:
-        if cuda:
-            torch.cuda.synchronize()
-        clock = time.perf_counter()
-        for _ in range(50):
-            engine.step(final_only=True)
-        if cuda:
-            torch.cuda.synchronize()
-        wall = time.perf_counter() - clock
+    k = result["throughput_breakdown"] = {
+        "batch": batch, **device_kernels(lambda: engine.step(final_only=True), 50)
+    }  # fmt: skip
+    log_kernels(f"kiln decode steps at batch {batch}", k)
     for rid in ids:
         engine.abort(rid)
     while engine.has_unfinished():
         engine.step(final_only=True)
-    kernels = sorted(prof.key_averages(), key=lambda e: e.self_device_time_total, reverse=True)
-    busy = sum(e.self_device_time_total for e in kernels) / 1e6
-    top = {e.key[:120]: e.self_device_time_total / 50 / 1e3 for e in kernels[:15]}
-    result["throughput_breakdown"] = {
-        "batch": batch, "step_ms": wall / 50 * 1e3, "gpu_busy_ms": busy / 50 * 1e3, "kernels_ms": top,
-    }  # fmt: skip
-    log.info(
-        "kiln decode at batch %d: %.2f ms a step, the GPU's kernels %.2f ms of it; per step, by kernel:\n%s",
-        batch, wall / 50 * 1e3, busy / 50 * 1e3, "\n".join(f"  {ms:8.3f} ms  {k}" for k, ms in top.items()),
-    )  # fmt: skip
 
 
 def hf_throughput(model: torch.nn.Module, work: list[tuple[list[int], int]], batch: int = 64) -> float:
