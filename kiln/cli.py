@@ -115,9 +115,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     # Tokenizing runs on one worker thread; the tokenizers library's own thread pool would compete with
     # the engine's OpenMP threads for the cores.
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    clock = time.perf_counter()  # the serving stack's imports (torch, dynamo, transformers, the server)
     from kiln.api.server import listen, run
     from kiln.models.loader import resolve_model
     from kiln.ops.cpu import threads
+
+    imports = time.perf_counter() - clock
 
     try:
         resolve_model(config.model.model)  # a missing model folder fails here, before the port opens
@@ -129,7 +132,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         sock = listen(s.host, s.port)
     except OSError as e:
         parser.exit(1, f"{parser.prog}: error: cannot listen on {s.host}:{s.port}: {e.strerror or e}\n")
-    return run(config, sock, args.started)
+    return run(config, sock, args.started, imports)
 
 
 def cmd_warmup(args: argparse.Namespace) -> int:

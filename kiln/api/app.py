@@ -61,13 +61,16 @@ def yield_to_engine(nice: int) -> None:
 
 
 class App:
-    def __init__(self, config: ServeConfig, started: float | None = None) -> None:
+    def __init__(self, config: ServeConfig, started: float | None = None, imports: float = 0.0) -> None:
+        """started: the process's clock at launch (perf_counter); imports: seconds the launch spent importing
+        the serving stack, the ready line's first part."""
         self.config = config
         model = config.model.model
         self.model_name = config.server.served_model_name or (
             DEFAULT_MODEL_NAME if model == "default" else model
         )
         self.started = time.perf_counter() if started is None else started
+        self.imports = imports
         self.engine: AsyncEngine | None = None
         self.inputs: Inputs | None = None  # built with the engine: it needs the tokenizer
         self.draining = False
@@ -130,9 +133,9 @@ class App:
         s = self.config.server
         url = f"http://{s.host}:{s.port}"
         total = time.perf_counter() - self.started
-        timings = self.engine.timings
+        timings = {"imports": self.imports, **self.engine.timings}
         parts = ", ".join(f"{k.replace('_', ' ')} {v:.2f} s" for k, v in timings.items())
-        parts += f", other {total - sum(timings.values()):.2f} s (imports, the server's own start)"
+        parts += f", other {total - sum(timings.values()):.2f} s (the server's own start)"
         log.info(
             "kiln is ready at %s, serving %s, %.1f s after start (%s)", url, self.model_name, total, parts
         )

@@ -27,8 +27,10 @@ def listen(host: str, port: int) -> socket.socket:
     return hc.create_sockets().insecure_sockets[0]
 
 
-async def serve(config: ServeConfig, sock: socket.socket, started: float | None = None) -> int:
-    app = App(config, started)
+async def serve(
+    config: ServeConfig, sock: socket.socket, started: float | None = None, imports: float = 0.0
+) -> int:
+    app = App(config, started, imports)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, app.begin_drain)
@@ -43,5 +45,5 @@ async def serve(config: ServeConfig, sock: socket.socket, started: float | None 
     return app.exit_code
 
 
-def run(config: ServeConfig, sock: socket.socket, started: float | None = None) -> int:
-    return asyncio.run(serve(config, sock, started))
+def run(config: ServeConfig, sock: socket.socket, started: float | None = None, imports: float = 0.0) -> int:
+    return asyncio.run(serve(config, sock, started, imports))

@@ -182,8 +182,8 @@ def test_models_health_version(client: openai.OpenAI, server: Server) -> None:
     log = server.output()
     assert f"kiln is ready at {server.url}, serving {MODEL}" in log
     assert re.search(
-        r"after start \(kernels [\d.]+ s, weights [\d.]+ s, tokenizer [\d.]+ s, runner [\d.]+ s, "
-        r"KV cache [\d.]+ s, compile [\d.]+ s, sampler [\d.]+ s, other [\d.]+ s \(imports",
+        r"after start \(imports [\d.]+ s, kernels [\d.]+ s, weights [\d.]+ s, tokenizer [\d.]+ s, "
+        r"runner [\d.]+ s, KV cache [\d.]+ s, compile [\d.]+ s, sampler [\d.]+ s, other [\d.]+ s \(the",
         log,
     )
     assert f"try: curl {server.url}/v1/chat/completions" in log

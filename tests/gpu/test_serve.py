@@ -44,7 +44,7 @@ def test_kiln_serve_on_the_gpu_answers_the_openai_sdk(tmp_path: Path) -> None:
         assert "attention flashinfer" in log and "GPU memory: device" in log and "CUDA graphs:" in log
         # The start-up breakdown a CPU start logs, in the ready line (other lines name kernels and weights).
         ready = next(line for line in log.splitlines() if "kiln is ready at" in line)
-        for part in ("kernels", "weights", "compile", "CUDA graph capture", "KV cache"):
+        for part in ("imports", "kernels", "weights", "compile", "CUDA graph capture", "KV cache"):
             assert f"{part} " in ready, part
     finally:
         assert server.stop() == 0, server.output()
