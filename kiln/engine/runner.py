@@ -251,7 +251,8 @@ class ModelRunner:
     def warm_sampler(self) -> None:
         """Draws once through every sampling path (each combination of penalties, bias and banned ids the
         prep kernel specializes on; plain, top-k/top-p and min-p draws), so every kernel is built before
-        serving."""
+        serving. A step without a penalty passes none (TokenCounts.penalties), and Triton builds the kernel
+        apart for each argument that is None: so do the warm rows."""
         vocab = self.model.dims.vocab_size
         throwaway = self._throwaway_sampler()
         for i, (penalty, bias, banned) in enumerate(itertools.product((False, True), repeat=3)):
@@ -265,7 +266,9 @@ class ModelRunner:
                 logit_bias={0: 1.0} if bias else None,
             )
             ban = [[1]] * 2 if banned else [[]] * 2
-            penalties = Penalties.from_ids([p] * 2, [[0]] * 2, [[]] * 2, vocab, self.device)
+            penalties = (
+                Penalties.from_ids([p] * 2, [[0]] * 2, [[]] * 2, vocab, self.device) if penalty else None
+            )
             meta = SamplingMetadata.build([p] * 2, [None] * 2, ban, vocab, self.device, penalties)
             throwaway(torch.zeros(2, vocab, device=self.device), meta)
         if self.device.type == "cuda":

@@ -5,8 +5,11 @@ import contextlib
 from collections.abc import Iterator
 from typing import Any
 
+import torch
+
 from kiln import LLM, SamplingParams
 from kiln.compile.lowering import compile_counters
+from kiln.ops.sampler import SamplingMetadata
 
 MAX_NUM_SEQS = 8
 MAX_NUM_BATCHED_TOKENS = 64
@@ -37,6 +40,7 @@ def varied_workload(llm: LLM) -> None:
         SamplingParams(temperature=1.0, min_p=0.1, max_tokens=5, logit_bias={3: 2.0}),
     ]
     llm.generate([_prompt(11, 5)] * len(sampled), sampled, use_tqdm=False)
+    llm.generate([_prompt(11, 5)], sampled[0], use_tqdm=False)  # sampled rows and no penalty in the step
 
 
 @contextlib.contextmanager
@@ -58,11 +62,33 @@ def triton_compiles() -> Iterator[list[str]]:
         knobs.runtime.jit_post_compile_hook = previous
 
 
+@contextlib.contextmanager
+def prep_kinds(llm: LLM) -> Iterator[set[tuple[bool, bool, bool]]]:
+    """Which of penalties, logit bias and banned ids the sampler's prepare step was given meanwhile. Triton
+    builds its prep kernel apart for each combination (an argument that is None is a constant to it), which
+    the CPU, whose interpreter builds nothing, can only check this way."""
+    sampler = llm.engine.runner.sampler
+    prepare, kinds = sampler.prepare, set()
+
+    def spy(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+        kinds.add((meta.penalties is not None, meta.logit_bias is not None, meta.banned is not None))
+        return prepare(logits, meta)
+
+    sampler.prepare = spy
+    try:
+        yield kinds
+    finally:
+        sampler.prepare = prepare
+
+
 def assert_nothing_compiles_after_ready(llm: LLM) -> None:
+    with prep_kinds(llm) as warmed:
+        llm.engine.runner.warm_sampler()  # as warmup ran it, on a generator of its own
     before = compile_counters()
-    with triton_compiles() as built:
+    with triton_compiles() as built, prep_kinds(llm) as served:
         varied_workload(llm)
     after = compile_counters()
     assert after == before, {k: (before[k], after[k]) for k in before if before[k] != after[k]}
     assert not built, f"Triton kernels built after ready: {built}"
+    assert served <= warmed, f"prep steps warmup never ran: {served - warmed}"
     assert llm.engine.runner.lowering.misses == 0
