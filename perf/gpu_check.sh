@@ -6,6 +6,7 @@
 # carried cache), restores KILN_CACHE_DIR from .gpu/cache, builds FlashInfer's modules in one parallel run,
 # runs tests/gpu file by file, then perf/gpu_bench.py's phases, and packs logs and the cache (object files
 # emptied, mtimes kept, so ninja finds them up to date) under $OUT.
+# Files joined by commas run in one pytest process (one import of torch and kiln, not one a file).
 # Env: E2E_S and BENCH_S cap test_end_to_end and the benchmark; LATE_TESTS run after the benchmark;
 # NOPACK=1 skips packing the cache (gzipped, its inductor part outgrew what a run may return once the 8B
 # shape was compiled); PYTEST_K selects tests in every file (pytest -k); AB=DIR (a folder holding another
@@ -43,10 +44,10 @@ timeout $(( $(left) - 300 > 60 ? $(left) - 300 : 60 )) python3 perf/gpu_prebuild
 [ "$TESTS" = all ] && TESTS=$(ls tests/gpu/test_*.py)
 run_tests() {
 for f in "$@"; do
-  n=$(basename "$f" .py); lim=$(( $(left) - 40 )); [ $lim -lt 30 ] && { echo "== $f skipped: out of time"; continue; }
+  n=$(basename "${f%%,*}" .py); lim=$(( $(left) - 40 )); [ $lim -lt 30 ] && { echo "== $f skipped: out of time"; continue; }
   [ "$n" = test_end_to_end ] && [ $lim -gt ${E2E_S:-9999} ] && lim=${E2E_S:-9999}
   par="-q"; [ "$n" = test_end_to_end ] && par="-n 8 -v"  # xdist: one worker per 2 of the 16 cores
-  timeout $lim python3 -m pytest -p no:cacheprovider -rA --tb=short $par ${PYTEST_K:+-k "$PYTEST_K"} -o faulthandler_timeout=$((lim - 10)) "$f" > $L/$n.log 2>&1
+  timeout $lim python3 -m pytest -p no:cacheprovider -rA --tb=short $par ${PYTEST_K:+-k "$PYTEST_K"} -o faulthandler_timeout=$((lim - 10)) ${f//,/ } > $L/$n.log 2>&1
   echo "== $f rc=$? ($(( $(date +%s) - T0 )) s)"
   grep -E "^E |^FAILED|^ERROR|FAILED|passed|failed|Timeout|agreement" $L/$n.log | grep -v "PASSED" | cut -c1-200 | head -40
 done
