@@ -1,11 +1,12 @@
 """The distribution one sampling row must draw from, in vLLM's order (top-k, renormalise, top-p, then
-min-p), computed directly from its definition; and the chi-square test both samplers are held to."""
+min-p), computed directly from its definition; the chi-square test both samplers are held to; and the
+seeded row's independence of its batch, which both samplers keep too."""
 
 import math
 
 import torch
 
-from kiln.ops.sampler import Draw, Sampler, SamplingMetadata
+from kiln.ops.sampler import Draw, Penalties, Sampler, SamplingMetadata
 from kiln.sampling_params import SamplingParams
 
 CASES = [  # (top_k, top_p, min_p): each filter alone, and the combinations whose order matters
@@ -57,3 +58,66 @@ def check_distribution(
     exp = expected[keep] * draws
     stat = ((counts[keep] - exp) ** 2 / exp).sum().item()
     assert stat < chi_square_critical(int(keep.sum()) - 1), (stat, counts[keep].tolist(), exp.tolist())
+
+
+def _step_logits(request: int, step: int, vocab_size: int) -> torch.Tensor:
+    """The model's logits for a request at a step, independent of the batch it is in."""
+    return torch.randn(vocab_size, generator=torch.Generator().manual_seed(1000 * request + step)) * 3
+
+
+def _run(
+    draw: Draw | None,
+    device: torch.device,
+    requests: list[tuple[int, SamplingParams, int | None]],
+    steps: int,
+    vocab_size: int,
+    order_seed: int,
+) -> dict[int, list[int]]:
+    """Decode `steps` tokens for each (request id, params, seed), shuffling the batch order each step."""
+    outputs: dict[int, list[int]] = {rid: [] for rid, _, _ in requests}
+    generators = {
+        rid: torch.Generator(device=device).manual_seed(seed) if seed is not None else None
+        for rid, _, seed in requests
+    }
+    sampler = Sampler(torch.Generator(device=device).manual_seed(order_seed), draw=draw)
+    order = torch.Generator().manual_seed(order_seed)
+    for step in range(steps):
+        batch = [requests[i] for i in torch.randperm(len(requests), generator=order).tolist()]
+        # Requests that started earlier sit at later positions of their sequence.
+        logits = torch.stack([_step_logits(rid, step + 3 * rid, vocab_size) for rid, _, _ in batch])
+        params = [p for _, p, _ in batch]
+        penalties = None
+        if any(p.uses_penalties for p in params):
+            prompts = [[rid, rid + 1] for rid, _, _ in batch]
+            penalties = Penalties.from_ids(
+                params, prompts, [outputs[r] for r, _, _ in batch], vocab_size, device
+            )
+        meta = SamplingMetadata.build(
+            params, [generators[rid] for rid, _, _ in batch], [[]] * len(batch), vocab_size, device, penalties
+        )
+        for (rid, _, _), token in zip(
+            batch, sampler(logits.to(device), meta).token_ids.tolist(), strict=True
+        ):
+            outputs[rid].append(token)
+    return outputs
+
+
+def check_seeded_row_is_independent(draw: Draw | None, device: torch.device) -> None:
+    """A seeded row draws the same tokens alone and in batches whose other rows use other filters (top-k,
+    min-p, none), penalties, seeds or none, in any order."""
+    vocab_size, steps = 40, 12
+    mine = (0, SamplingParams(seed=7, temperature=1.3, top_p=0.9, presence_penalty=0.5), 7)
+    others = [
+        (1, SamplingParams(temperature=0.8, top_k=5, repetition_penalty=1.3), None),
+        (2, SamplingParams(seed=3, min_p=0.1, logit_bias={4: 2.0}), 3),
+        (3, SamplingParams(temperature=0.0, frequency_penalty=1.0), None),
+    ]
+    alone = _run(draw, device, [mine], steps, vocab_size, order_seed=0)[0]
+    assert len(set(alone)) > 1
+    for order_seed in range(3):
+        assert _run(draw, device, [mine, *others], steps, vocab_size, order_seed)[0] == alone
+    # The same seed at a different position of the list and under other unseeded noise.
+    assert _run(draw, device, [*others, mine], steps, vocab_size, order_seed=9)[0] == alone
+    # Beside rows whose filters are none at all, or top-k alone.
+    plain = [(4, SamplingParams(temperature=1.0), None), (5, SamplingParams(top_k=3), 11)]
+    assert _run(draw, device, [*plain, mine], steps, vocab_size, order_seed=4)[0] == alone

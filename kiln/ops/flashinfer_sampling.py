@@ -1,6 +1,6 @@
 """Sampling with FlashInfer's sort-free rejection-sampling kernels: kiln.ops.sampler.draw_tokens's
-contract (vLLM's order: top-k, renormalise, top-p, then min-p; seeded rows draw only from their own
-generator)."""
+contract (vLLM's order: top-k, renormalise, top-p, then min-p; a seeded row draws from its own generator
+what it would draw alone)."""
 
 from __future__ import annotations
 
@@ -10,40 +10,47 @@ import torch
 from kiln.ops.sampler import SamplingMetadata
 from kiln.ops.transfer import to_device
 
+Filter = torch.Tensor | float | None  # per row, one value for a single row, or off
+
 
 def draw_tokens(
     logits: torch.Tensor, meta: SamplingMetadata, generator: torch.Generator | None
 ) -> torch.Tensor:
     top_k = meta.top_k.to(torch.int32) if meta.top_k is not None else None
     top_p, min_p = meta.top_p, meta.min_p
-
-    def draw(rows: torch.Tensor | slice, gen: torch.Generator | None) -> torch.Tensor:
-        x = logits[rows]
-        if min_p is None:
-            if top_k is None and top_p is None:
-                return fs.sampling_from_logits(x, generator=gen)
-            # "top_k_first": top-k, a softmax over what is left, then top-p: vLLM's order.
-            k = top_k[rows] if top_k is not None else x.shape[-1]
-            return fs.top_k_top_p_sampling_from_logits(
-                x, k, top_p[rows] if top_p is not None else 1.0, generator=gen
-            )
-        probs = x.softmax(dim=-1)
-        if top_k is not None:
-            probs = fs.top_k_renorm_probs(probs, top_k[rows])
-        if top_p is not None:
-            probs = fs.top_p_renorm_probs(probs, top_p[rows])
-        return fs.min_p_sampling_from_probs(probs, min_p[rows], generator=gen)
-
-    if not meta.generators:
-        return draw(slice(None), generator).long()
+    if not meta.seeded:
+        return _draw(logits, top_k, top_p, min_p, generator).long()
     # FlashInfer takes one generator per call: seeded rows are drawn one call each, the rest together.
     out = torch.empty(len(logits), dtype=torch.int64, device=logits.device)
-    seeded = list(meta.generators)
     rest = torch.ones(len(logits), dtype=torch.bool)
-    rest[seeded] = False
+    rest[list(meta.seeded)] = False
     if rest.any():
         idx = to_device(rest.nonzero().flatten(), None, logits.device)
-        out[idx] = draw(idx, generator).long()
-    for row, own in meta.generators.items():
-        out[row : row + 1] = draw(slice(row, row + 1), own).long()
+        out[idx] = _draw(
+            logits[idx], *(f[idx] if f is not None else None for f in (top_k, top_p, min_p)), generator
+        ).long()
+    vocab = logits.shape[-1]
+    for row, s in meta.seeded.items():
+        # The row's own filters pick its kernels, never its batch's: each kernel draws differently from the
+        # same generator, so a batch's filters would change a seeded request's tokens.
+        own = (s.top_k if s.top_k < vocab else None, s.top_p if s.top_p < 1.0 else None, s.min_p or None)
+        out[row : row + 1] = _draw(logits[row : row + 1], *own, s.generator).long()
     return out
+
+
+def _draw(
+    x: torch.Tensor, top_k: Filter, top_p: Filter, min_p: Filter, gen: torch.Generator | None
+) -> torch.Tensor:
+    if min_p is None:
+        if top_k is None and top_p is None:
+            return fs.sampling_from_logits(x, generator=gen)
+        # "top_k_first": top-k, a softmax over what is left, then top-p: vLLM's order.
+        return fs.top_k_top_p_sampling_from_logits(
+            x, top_k if top_k is not None else x.shape[-1], top_p if top_p is not None else 1.0, generator=gen
+        )
+    probs = x.softmax(dim=-1)
+    if top_k is not None:
+        probs = fs.top_k_renorm_probs(probs, top_k)
+    if top_p is not None:
+        probs = fs.top_p_renorm_probs(probs, top_p)
+    return fs.min_p_sampling_from_probs(probs, min_p, generator=gen)

@@ -62,6 +62,17 @@ def token_counts(ids: list[list[int]], vocab_size: int, device: torch.device) ->
     return counts
 
 
+@dataclass(frozen=True, slots=True)
+class Seeded:
+    """A seeded random row: its own generator, and its own filters on the host (off: the vocabulary size,
+    1.0, 0.0), so a sampler can draw it as it would alone, whatever else its batch holds."""
+
+    generator: torch.Generator
+    top_k: int
+    top_p: float
+    min_p: float
+
+
 @dataclass(slots=True)
 class SamplingMetadata:
     """Per-row sampling state for one step. Optional fields are None when no row needs them."""
@@ -75,7 +86,7 @@ class SamplingMetadata:
     penalties: Penalties | None
     logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None  # (rows, token ids, values)
     banned: tuple[torch.Tensor, torch.Tensor] | None  # (rows, token ids)
-    generators: dict[int, torch.Generator]  # row -> its own generator, for seeded random rows only
+    seeded: dict[int, Seeded]  # row -> its own generator and filters, for seeded random rows only
     want_logprobs: bool  # some row asked for logprobs, possibly 0 (the sampled token's only)
     max_logprobs: int  # max over rows of params.logprobs (0 when none asked)
     allowed: tuple[torch.Tensor, list[int]] | None = None  # (token bitmask [B, V/32] int32, its rows)
@@ -133,7 +144,11 @@ class SamplingMetadata:
             banned=(tensor([r for r, _ in banned], torch.int64), tensor([t for _, t in banned], torch.int64))
             if banned
             else None,
-            generators={row: g for row, g in enumerate(generators) if g is not None and not greedy[row]},
+            seeded={
+                row: Seeded(g, int(top_k[row]), top_p[row], min_p[row])
+                for row, g in enumerate(generators)
+                if g is not None and not greedy[row]
+            },
             want_logprobs=any(p.logprobs is not None for p in params),
             max_logprobs=max((p.logprobs or 0 for p in params), default=0),
             allowed=allowed,
@@ -231,10 +246,10 @@ def draw_tokens(
     # argmax(p / q) with q ~ Exp(1) draws from p; a seeded row's noise comes only from its
     # own generator, so its tokens don't depend on the rest of the batch.
     noise = torch.empty_like(probs)
-    if len(meta.generators) < len(probs):
+    if len(meta.seeded) < len(probs):
         noise.exponential_(generator=generator)
-    for row, own in meta.generators.items():
-        noise[row].exponential_(generator=own)
+    for row, own in meta.seeded.items():
+        noise[row].exponential_(generator=own.generator)
     # A zero draw would make 0 / 0 = nan on a filtered token, and argmax favours nan.
     noise.clamp_min_(torch.finfo(noise.dtype).tiny)
     return probs.div_(noise).argmax(dim=-1)

@@ -8,7 +8,12 @@ import torch
 
 from kiln.ops.sampler import Penalties, Sampler, SamplingMetadata, apply_penalties, compute_logprobs
 from kiln.sampling_params import SamplingParams
-from tests.sampling_expectation import CASES, check_distribution, expected_probs
+from tests.sampling_expectation import (
+    CASES,
+    check_distribution,
+    check_seeded_row_is_independent,
+    expected_probs,
+)
 
 CPU = torch.device("cpu")
 
@@ -70,52 +75,8 @@ def test_top_k_1_equals_greedy_in_a_mixed_batch() -> None:
         assert torch.equal(ids[picked], logits[picked].argmax(-1))
 
 
-def _step_logits(request: int, step: int, vocab_size: int) -> torch.Tensor:
-    """The model's logits for a request at a step, independent of the batch it is in."""
-    return random_logits(1, vocab_size, seed=1000 * request + step)[0]
-
-
-def _run(
-    requests: list[tuple[int, SamplingParams, int | None]], steps: int, vocab_size: int, order_seed: int
-):
-    """Decode `steps` tokens for each (request id, params, seed), shuffling the batch order each step."""
-    outputs: dict[int, list[int]] = {rid: [] for rid, _, _ in requests}
-    generators = {rid: seeded(seed) if seed is not None else None for rid, _, seed in requests}
-    sampler = Sampler(seeded(order_seed))
-    order = torch.Generator().manual_seed(order_seed)
-    for step in range(steps):
-        batch = [requests[i] for i in torch.randperm(len(requests), generator=order).tolist()]
-        # Requests that started earlier sit at later positions of their sequence.
-        positions = [step + 3 * rid for rid, _, _ in batch]
-        logits = torch.stack(
-            [_step_logits(rid, pos, vocab_size) for (rid, _, _), pos in zip(batch, positions, strict=True)]
-        )
-        meta = build(
-            [p for _, p, _ in batch],
-            vocab_size,
-            prompt_ids=[[rid, rid + 1] for rid, _, _ in batch],
-            output_ids=[outputs[rid] for rid, _, _ in batch],
-            generators=[generators[rid] for rid, _, _ in batch],
-        )
-        for (rid, _, _), token in zip(batch, sampler(logits, meta).token_ids.tolist(), strict=True):
-            outputs[rid].append(token)
-    return outputs
-
-
 def test_seeded_row_is_independent_of_the_batch() -> None:
-    vocab_size, steps = 40, 12
-    mine = (0, SamplingParams(seed=7, temperature=1.3, top_p=0.9, presence_penalty=0.5), 7)
-    others = [
-        (1, SamplingParams(temperature=0.8, top_k=5, repetition_penalty=1.3), None),
-        (2, SamplingParams(seed=3, min_p=0.1, logit_bias={4: 2.0}), 3),
-        (3, SamplingParams(temperature=0.0, frequency_penalty=1.0), None),
-    ]
-    alone = _run([mine], steps, vocab_size, order_seed=0)[0]
-    assert len(set(alone)) > 1
-    for order_seed in range(3):
-        assert _run([mine, *others], steps, vocab_size, order_seed)[0] == alone
-    # The same seed at a different position of the list and under other unseeded noise.
-    assert _run([*others, mine], steps, vocab_size, order_seed=9)[0] == alone
+    check_seeded_row_is_independent(None, CPU)
 
 
 def test_top_k_stays_in_top_k() -> None:

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from kiln.ops.attention import TORCH_ATTENTION, AttnMetadata, StepLayout
-from tests.sampling_expectation import CASES, check_distribution
+from tests.sampling_expectation import CASES, check_distribution, check_seeded_row_is_independent
 
 BS, KVH, BLOCKS = 16, 2, 64
 
@@ -82,3 +82,11 @@ def test_flashinfer_sampling_distribution(top_k: int, top_p: float, min_p: float
     from kiln.ops.flashinfer_sampling import draw_tokens
 
     check_distribution(draw_tokens, torch.device("cuda"), top_k, top_p, min_p)
+
+
+def test_flashinfer_seeded_row_is_independent_of_the_batch() -> None:
+    """A seeded row's tokens do not depend on its neighbours' filters: FlashInfer's kernels for top-k/top-p,
+    min-p and plain draws each use the generator differently, so the row's own filters must pick them."""
+    from kiln.ops.flashinfer_sampling import draw_tokens
+
+    check_seeded_row_is_independent(draw_tokens, torch.device("cuda"))
