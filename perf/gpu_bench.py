@@ -214,8 +214,8 @@ def device_kernels(run: Callable[[], object], calls: int) -> dict:
     """`run` called `calls` times under the torch profiler, per call: wall ms, the GPU's busy ms (its
     kernels' and copies' time), how many it ran, and the 15 longest by total time. A graph replay's kernels
     are counted one by one (CUPTI reports each node)."""
+    torch.cuda.synchronize()  # an asynchronously scheduled step still running would count as busy
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        torch.cuda.synchronize()
         clock = time.perf_counter()
         for _ in range(calls):
             run()
@@ -230,7 +230,7 @@ def device_kernels(run: Callable[[], object], calls: int) -> dict:
         "wall_ms": wall / calls * 1e3,
         "busy_ms": sum(e.self_device_time_total for e in device) / calls / 1e3,
         "kernels": sum(e.count for e in device) / calls,
-        "kernels_ms": {e.key[:120]: e.self_device_time_total / calls / 1e3 for e in device[:15]},
+        "kernels_ms": {e.key: e.self_device_time_total / calls / 1e3 for e in device[:15]},
     }
 
 
@@ -305,8 +305,7 @@ def serve_start(path: Path, cache_dir: Path, log_path: Path) -> dict[str, float]
         str(port),
         "--max-model-len",
         "4096",
-        *(["--deterministic"] if KILN_OPTIONS.get("deterministic") else []),
-        *(["--no-async-scheduling"] if KILN_OPTIONS.get("async_scheduling") is False else []),
+        *engine_flags(),
     ]
     clock = time.perf_counter()
     with log_path.open("ab") as out:
@@ -324,10 +323,17 @@ def serve_start(path: Path, cache_dir: Path, log_path: Path) -> dict[str, float]
                 pass
             time.sleep(0.05)
         ready = time.perf_counter() - clock
-        body = {"model": str(path), "prompt": list(range(100, 228)), "max_tokens": 16, "stream": True}
+        body = {
+            "model": str(path.resolve()),
+            "prompt": list(range(100, 228)),
+            "max_tokens": 16,
+            "stream": True,
+        }
         clock = time.perf_counter()
         ttft = None
         with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=600) as reply:
+            if reply.status_code != 200:
+                raise RuntimeError(f"the first request got {reply.status_code}: {reply.read().decode()}")
             for line in reply.iter_lines():
                 if line.startswith("data: ") and ttft is None:
                     ttft = time.perf_counter() - clock
@@ -407,12 +413,21 @@ def throughput_phase(path: Path, result: dict, skip_hf: bool) -> None:
     free_gpu()
 
 
+def engine_flags() -> list[str]:
+    """KILN_OPTIONS as `kiln serve`/`kiln warmup` flags: both must run the engine the compile cache's
+    entry was built for."""
+    return [
+        *(["--deterministic"] if KILN_OPTIONS.get("deterministic") else []),
+        *(["--no-async-scheduling"] if KILN_OPTIONS.get("async_scheduling") is False else []),
+    ]
+
+
 def profile_warm_start(path: Path, cache_dir: Path, out: Path) -> None:
     """A warm `kiln warmup` under cProfile, which sees the engine's whole start (on the main thread, where
     `kiln serve` starts it on its own): writes the profile and logs where its seconds went, by function."""
-    prof = out.with_suffix(".warmup.prof")
+    prof = out.resolve().with_suffix(".warmup.prof")  # the child runs in cache_dir
     cmd = [sys.executable, "-m", "cProfile", "-o", str(prof), "-m", "kiln", "warmup", "--model",
-           str(path.resolve()), "--max-model-len", "4096", "--no-progress"]  # fmt: skip
+           str(path.resolve()), "--max-model-len", "4096", "--no-progress", *engine_flags()]  # fmt: skip
     env = {**os.environ, "KILN_CACHE_DIR": str(cache_dir)}
     cache_dir.mkdir(parents=True, exist_ok=True)
     clock = time.perf_counter()
