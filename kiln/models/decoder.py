@@ -12,7 +12,6 @@ from kiln.ops.activation import ACTIVATIONS
 from kiln.ops.attention import TORCH_ATTENTION, AttentionImpl, AttnMetadata
 from kiln.ops.backend import TORCH_KERNELS, Kernels
 from kiln.ops.linear import GateUp, Linear
-from kiln.ops.moe import route
 from kiln.ops.norm import layer_norm
 from kiln.ops.rotary import rope_cos_sin, rope_inv_freq
 
@@ -108,7 +107,7 @@ class MoE(nn.Module):
         self.w13, self.w2 = (nn.Parameter(w, requires_grad=False) for w in (w13, w2))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = route(self.router(x), self.top_k, self.renormalize)
+        weights, ids = self.kernels.route(self.router(x), self.top_k, self.renormalize)
         return self.kernels.moe_experts(x, self.w13, self.w2, weights, ids)
 
 

@@ -37,6 +37,7 @@ class Kernels:
     apply_rotary: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     silu_and_mul: Callable[[torch.Tensor], torch.Tensor]
     moe_experts: Callable[..., torch.Tensor]
+    route: Callable[..., tuple[torch.Tensor, torch.Tensor]] = moe.route  # a MoE layer's expert choice
     matmul: Matmul = TORCH_MATMUL
     activations: torch.dtype | None = None  # the residual stream's dtype; None: the weights'
 
@@ -84,13 +85,13 @@ class Backend:
         if self.kernels == "cpu":
             # float32 activations: the kernels widen 16-bit weights in registers and accumulate in float32,
             # or multiply bfloat16 weights natively where the CPU can.
-            from kiln.ops.cpu.moe import moe_experts
+            from kiln.ops.cpu.moe import moe_experts, route
             from kiln.ops.cpu.rotary import apply_rotary as rope
 
             cpu = CpuMatmul(bf16_dot=cpu_native.bf16_dot(), amx=cpu_native.amx())
             experts = functools.partial(moe_experts, amx=cpu.amx)
             return dataclasses.replace(
-                TORCH_KERNELS, name="cpu", apply_rotary=rope, moe_experts=experts, matmul=cpu,
+                TORCH_KERNELS, name="cpu", apply_rotary=rope, moe_experts=experts, route=route, matmul=cpu,
                 activations=torch.float32,
             )  # fmt: skip
         return torch_kernels(device, dtype)

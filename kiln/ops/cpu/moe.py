@@ -4,6 +4,7 @@ torch's GEMM picks its blocking by the rows an expert gets, which the rest of th
 
 import torch
 
+from kiln.ops import moe
 from kiln.ops.activation import silu_and_mul
 from kiln.ops.matmul import CpuMatmul
 from kiln.ops.moe import grouped
@@ -25,3 +26,19 @@ def moe_experts(
 @moe_experts.register_fake
 def _(x, w13, w2, weights, ids, amx):
     return torch.empty_like(x)
+
+
+@torch.library.custom_op("kiln::cpu_route", mutates_args=())
+def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """kiln.ops.moe.route, opaque to Inductor: torch's own softmax, top-k and sum compute a row the same way
+    whatever the rows around it. Inductor's code for the one-row decode graph and for the many-row graph
+    can round a token's routing weights differently (an AVX2 CPU moved Mixtral's logprobs by a bit with the
+    batch)."""
+    return moe.route(router_logits, top_k, renormalize)
+
+
+@route.register_fake
+def _(router_logits, top_k, renormalize):
+    rows = router_logits.shape[0]
+    weights = router_logits.new_empty(rows, top_k, dtype=torch.float32)
+    return weights, router_logits.new_empty(rows, top_k, dtype=torch.int64)
