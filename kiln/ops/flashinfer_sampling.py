@@ -29,12 +29,10 @@ def draw_tokens(
         out[idx] = _draw(
             logits[idx], *(f[idx] if f is not None else None for f in (top_k, top_p, min_p)), generator
         ).long()
-    vocab = logits.shape[-1]
     for row, s in meta.seeded.items():
         # The row's own filters pick its kernels, never its batch's: each kernel draws differently from the
         # same generator, so a batch's filters would change a seeded request's tokens.
-        own = (s.top_k if s.top_k < vocab else None, s.top_p if s.top_p < 1.0 else None, s.min_p or None)
-        out[row : row + 1] = _draw(logits[row : row + 1], *own, s.generator).long()
+        out[row : row + 1] = _draw(logits[row : row + 1], s.top_k, s.top_p, s.min_p, s.generator).long()
     return out
 
 
