@@ -6,7 +6,8 @@ import math
 
 import torch
 
-from kiln.ops.sampler import Draw, Penalties, Sampler, SamplingMetadata
+from kiln.ops.sampler import Draw, Sampler
+from kiln.ops.sampling_metadata import Penalties, SamplingMetadata
 from kiln.sampling_params import SamplingParams
 
 CASES = [  # (top_k, top_p, min_p): each filter alone, and the combinations whose order matters

@@ -23,7 +23,8 @@ from kiln.engine.token_counts import TokenCounts
 from kiln.models.decoder import DecoderModel
 from kiln.ops.attention import AttnMetadata, StepLayout
 from kiln.ops.backend import TORCH_BACKEND, Backend
-from kiln.ops.sampler import Penalties, Sampler, SamplingMetadata, compute_logprobs
+from kiln.ops.sampler import Sampler, compute_logprobs
+from kiln.ops.sampling_metadata import Penalties, SamplingMetadata
 from kiln.ops.transfer import to_device
 from kiln.platform import keep_freed_memory
 from kiln.sampling_params import SamplingParams

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from kiln.engine.request import Request
-from kiln.ops.sampler import Penalties, token_counts
+from kiln.ops.sampling_metadata import Penalties, token_counts
 from kiln.ops.transfer import to_device
 
 

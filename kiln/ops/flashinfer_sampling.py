@@ -7,7 +7,7 @@ from __future__ import annotations
 import flashinfer.sampling as fs
 import torch
 
-from kiln.ops.sampler import SamplingMetadata
+from kiln.ops.sampling_metadata import SamplingMetadata
 from kiln.ops.transfer import to_device
 
 Filter = torch.Tensor | float | None  # per row, one value for a single row, or off

@@ -9,7 +9,7 @@ import torch
 
 from kiln import LLM, SamplingParams
 from kiln.compile.lowering import compile_counters
-from kiln.ops.sampler import SamplingMetadata
+from kiln.ops.sampling_metadata import SamplingMetadata
 
 MAX_NUM_SEQS = 8
 MAX_NUM_BATCHED_TOKENS = 64

@@ -6,7 +6,8 @@ import msgspec
 import pytest
 import torch
 
-from kiln.ops.sampler import Penalties, Sampler, SamplingMetadata, apply_penalties, compute_logprobs
+from kiln.ops.sampler import Sampler, apply_penalties, compute_logprobs
+from kiln.ops.sampling_metadata import Penalties, SamplingMetadata
 from kiln.sampling_params import SamplingParams
 from tests.sampling_expectation import (
     CASES,

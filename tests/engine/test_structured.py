@@ -14,7 +14,8 @@ from transformers import AutoTokenizer
 from kiln import LLM, SamplingParams
 from kiln.api.tool_calls import ToolCallStream
 from kiln.engine.grammar import Grammars
-from kiln.ops.sampler import Sampler, SamplingMetadata
+from kiln.ops.sampler import Sampler
+from kiln.ops.sampling_metadata import SamplingMetadata
 from kiln.sampling_params import StructuredOutputsParams
 
 S = StructuredOutputsParams

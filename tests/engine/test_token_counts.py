@@ -4,7 +4,7 @@ import torch
 
 from kiln.engine.request import Request, Status
 from kiln.engine.token_counts import TokenCounts
-from kiln.ops.sampler import Penalties, token_counts
+from kiln.ops.sampling_metadata import Penalties, token_counts
 from kiln.sampling_params import SamplingParams
 
 VOCAB = 50

@@ -2,7 +2,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kiln.ops.sampler import SamplingMetadata
+from kiln.ops.sampling_metadata import SamplingMetadata
 from kiln.ops.triton import launch, op
 
 
