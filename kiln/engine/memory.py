@@ -1,6 +1,6 @@
 """How big the KV cache is: cache.kv_cache_gib where set; on a GPU otherwise as vLLM sizes it, what the
-weights, the peak of the largest step, the CUDA-graph pool and everything outside torch leave of
-gpu_memory_utilization x the device's memory; on a CPU otherwise 1 GiB."""
+weights, the peak of the largest step, the CUDA-graph pool, the penalties' rows and everything outside torch
+leave of gpu_memory_utilization x the device's memory; on a CPU otherwise 1 GiB."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import torch
 from kiln.compile.buckets import Bucket
 from kiln.config import EngineConfig
 from kiln.engine.runner import ModelRunner
+from kiln.engine.token_counts import TokenCounts
 from kiln.models.decoder import DecoderModel
 
 log = logging.getLogger(__name__)
@@ -36,10 +37,11 @@ class MemoryProfile:
     in_use: int  # everything allocated between steps: weights, workspaces, the CUDA context, other processes
     step_peak: int  # a max_num_batched_tokens step and the sampler's largest draw, above what is allocated
     graph_pool: int  # the largest decode step's activations, which its CUDA graph keeps in its own pool
+    penalty_rows: int  # TokenCounts' rows, made at the first request with a penalty
 
     @property
     def kv_bytes(self) -> int:
-        return self.budget - self.in_use - self.step_peak - self.graph_pool
+        return self.budget - self.in_use - self.step_peak - self.graph_pool - self.penalty_rows
 
     def describe(self) -> str:
         return ", ".join(
@@ -51,6 +53,7 @@ class MemoryProfile:
                 ("in use besides weights", self.in_use - self.weights),
                 ("step peak", self.step_peak),
                 ("CUDA graphs", self.graph_pool),
+                ("penalty rows", self.penalty_rows),
                 ("KV cache", self.kv_bytes),
             )
         )
@@ -79,7 +82,10 @@ def profile_memory(runner: ModelRunner, utilization: float, max_tokens: int, gra
     torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info(device)
     weights = sum(p.numel() * p.element_size() for p in runner.model.parameters())
-    profile = MemoryProfile(total, int(utilization * total), weights, total - free, max(step, sampler), pool)
+    rows = TokenCounts.nbytes(runner.model.dims.vocab_size, runner.max_num_seqs)
+    profile = MemoryProfile(
+        total, int(utilization * total), weights, total - free, max(step, sampler), pool, rows
+    )
     log.info("GPU memory: %s", profile.describe())
     return profile
 

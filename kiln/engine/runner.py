@@ -59,7 +59,7 @@ class ModelRunner:
         )
         generator = torch.Generator(device=self.device).manual_seed(config.model.seed)
         self.sampler = Sampler(generator, *backend.sampler_ops())
-        self.token_counts = TokenCounts(model.dims.vocab_size, self.device)
+        self.token_counts = TokenCounts(model.dims.vocab_size, self.device, self.max_num_seqs)
         # The last step's sampled tokens, on the device, and each sampled request's row in them: a request
         # whose token is still pending (async scheduling) reads it from there.
         self.last_tokens = torch.zeros(0, dtype=torch.int64, device=self.device)

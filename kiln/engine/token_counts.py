@@ -13,20 +13,29 @@ from kiln.ops.transfer import to_device
 class TokenCounts:
     """One row per sequence that uses a penalty: the set of its prompt's tokens, and how often each token
     occurs in its output. A row is built from the sequence's ids once, when it first samples (its only
-    pass over them), and freed when the sequence finishes; the rows grow by doubling. Row 0 stays zero:
-    a step's rows that use no penalty read it.
+    pass over them), and freed when the sequence finishes. Row 0 stays zero: a step's rows that use no
+    penalty read it.
+
+    The rows are made all at once, at the first penalty: one per sequence a step can hold, plus row 0
+    (`nbytes`, which the GPU's memory profile sets aside). A sequence that is not in the step (preempted)
+    gives its row up when a step needs one; it is rebuilt from its ids when it samples again.
 
     Nothing here reads the device or copies to it from pageable memory (async scheduling's overlap), which
     rules out writing a Python scalar through an index tensor and index_put_ with accumulate on CUDA:
     both synchronize the stream (torch 2.11)."""
 
-    def __init__(self, vocab_size: int, device: torch.device) -> None:
-        self.vocab_size, self.device = vocab_size, device
+    def __init__(self, vocab_size: int, device: torch.device, max_seqs: int) -> None:
+        self.vocab_size, self.device, self.max_seqs = vocab_size, device, max_seqs
         self.prompt = torch.zeros(1, vocab_size, dtype=torch.bool, device=device)
         self.counts = torch.zeros(1, vocab_size, dtype=torch.int32, device=device)
         self.rows: dict[Request, int] = {}
         self.free: list[int] = []
         self._step: tuple[torch.Tensor, torch.Tensor] | None = None  # (batch positions, rows) to update
+
+    @staticmethod
+    def nbytes(vocab_size: int, max_seqs: int) -> int:
+        """The rows' memory once a penalty has been used: a prompt mask (bool) and counts (int32) each."""
+        return (max_seqs + 1) * vocab_size * (torch.bool.itemsize + torch.int32.itemsize)
 
     def penalties(self, reqs: list[Request]) -> Penalties | None:
         """The step's penalties for the sampled reqs in order, or None when none uses one. Rows that use no
@@ -39,7 +48,7 @@ class TokenCounts:
             self.free.append(self.rows.pop(r))
         for i in users:
             if reqs[i] not in self.rows:
-                self._admit(reqs[i])
+                self._admit(reqs[i], reqs)
         index = to_device([self.rows.get(r, 0) for r in reqs], torch.int64, self.device)
         prompt, counts = self.prompt[index], self.counts[index]  # copies: the step may not change the rows
         positions = to_device(users, torch.int64, self.device)
@@ -54,13 +63,14 @@ class TokenCounts:
         cells = rows * self.vocab_size + token_ids[positions]
         self.counts.view(-1).scatter_add_(0, cells, torch.ones_like(cells, dtype=torch.int32))
 
-    def _admit(self, req: Request) -> None:
+    def _admit(self, req: Request, step: list[Request]) -> None:
+        if len(self.prompt) == 1:
+            self.prompt = self.prompt.new_zeros(self.max_seqs + 1, self.vocab_size)
+            self.counts = self.counts.new_zeros(self.max_seqs + 1, self.vocab_size)
+            self.free = list(range(self.max_seqs, 0, -1))
         if not self.free:
-            n = len(self.prompt)
-            grow = max(8, n)
-            self.prompt = torch.cat([self.prompt, self.prompt.new_zeros(grow, self.vocab_size)])
-            self.counts = torch.cat([self.counts, self.counts.new_zeros(grow, self.vocab_size)])
-            self.free = list(range(n + grow - 1, n - 1, -1))
+            in_step = set(step)
+            self.free.append(self.rows.pop(next(r for r in self.rows if r not in in_step)))
         row = self.rows[req] = self.free.pop()
         ids = [req.prompt_token_ids, req.output_token_ids]
         counts = token_counts(ids, self.vocab_size, self.device)

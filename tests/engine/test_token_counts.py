@@ -24,7 +24,7 @@ def expected(reqs: list[Request]) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def test_rows_follow_sampled_tokens_free_rows_are_rebuilt_and_other_rows_read_zeros() -> None:
-    counts = TokenCounts(VOCAB, CPU)
+    counts = TokenCounts(VOCAB, CPU, max_seqs=16)
     a = request("a", [1, 2, 2], [5], PENALISED)
     free = request("free", [3, 5], [9], SamplingParams())
     c = request("c", [4, 4], [7, 7], PENALISED)
@@ -47,8 +47,8 @@ def test_rows_follow_sampled_tokens_free_rows_are_rebuilt_and_other_rows_read_ze
     prompt, output = expected(reqs)
     assert torch.equal(pen.prompt_mask, prompt) and torch.equal(pen.output_counts, output)
 
-    # Growing past the first rows keeps every row's counts.
-    more = [request(f"m{i}", [i], [i + 1] * i, PENALISED) for i in range(10)]
+    # Filling every row keeps each one's counts.
+    more = [request(f"m{i}", [i], [i + 1] * i, PENALISED) for i in range(14)]
     reqs = [d, free, c, *more]
     pen = counts.penalties(reqs)
     assert pen is not None
@@ -57,12 +57,30 @@ def test_rows_follow_sampled_tokens_free_rows_are_rebuilt_and_other_rows_read_ze
     assert counts.penalties([free]) is None
 
 
+def test_rows_are_made_once_for_a_full_step_and_a_preempted_sequence_gives_its_row_up() -> None:
+    """The memory profile sets aside `nbytes` for the rows; they never grow past it. Two rows (max_seqs 2)
+    serve three sequences that take turns, as preemption makes them: a row is rebuilt from the ids of the
+    sequence that takes it, and the one it was taken from is rebuilt when it samples again."""
+    counts = TokenCounts(VOCAB, CPU, max_seqs=2)
+    a, b, c = (request(n, [i, i + 1], [i + 2] * i, PENALISED) for i, n in enumerate("abc", 1))
+    for step, sampled in (([a, b], [7, 8]), ([c, a], [9, 7]), ([b, c], [8, 9]), ([a, b], [1, 2])):
+        pen = counts.penalties(step)
+        assert pen is not None
+        prompt, output = expected(step)
+        assert torch.equal(pen.prompt_mask, prompt) and torch.equal(pen.output_counts, output)
+        counts.update(torch.tensor(sampled))
+        for r, t in zip(step, sampled, strict=True):
+            r.token_ids.append(t)
+        held = counts.prompt.numel() + counts.counts.element_size() * counts.counts.numel()
+        assert len(counts.rows) == 2 and held == TokenCounts.nbytes(VOCAB, 2)
+
+
 def test_warmups_penalties_have_the_layout_of_servings() -> None:
     """Warmup builds the Triton prep kernel from Penalties.from_ids; a step takes TokenCounts' rows. Triton
     builds a kernel per divisibility of its int arguments (the rows' strides among them), so the two must
     lay their rows out alike, or the first penalised request after ready builds another."""
     reqs = [request("a", [1, 2], [3], PENALISED), request("b", [4], [], PENALISED)]
-    serving = TokenCounts(VOCAB, CPU).penalties(reqs)
+    serving = TokenCounts(VOCAB, CPU, max_seqs=2).penalties(reqs)
     warm = Penalties.from_ids([PENALISED] * 2, [[0]] * 2, [[]] * 2, VOCAB, CPU)
     assert serving is not None
     for name in ("prompt_mask", "output_counts"):
