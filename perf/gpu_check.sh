@@ -40,7 +40,8 @@ python3 -c "import torch,triton,flashinfer,transformers;print('torch',torch.__ve
 python3 -X importtime -c "import kiln.api.server, kiln.engine.engine, flashinfer" 2> $L/importtime.log
 echo "== slowest imports (cumulative us):"; sort -t'|' -k2 -n $L/importtime.log | tail -6 | cut -c1-120
 python3 -c "import time, torch; c = time.time(); torch.zeros(1, device='cuda'); print('== CUDA start-up %.2f s' % (time.time() - c))"
-timeout $(( $(left) - 300 > 60 ? $(left) - 300 : 60 )) python3 perf/gpu_prebuild.py > $L/prebuild.log 2>&1; echo "== prebuild rc=$? ($(( $(date +%s) - T0 )) s)"; grep -E "prebuild:|rror" $L/prebuild.log | head -5
+# With no test to run, only the benchmark's modules.
+timeout $(( $(left) - 300 > 60 ? $(left) - 300 : 60 )) python3 perf/gpu_prebuild.py $([ -z "$TESTS" ] && echo --bench) > $L/prebuild.log 2>&1; echo "== prebuild rc=$? ($(( $(date +%s) - T0 )) s)"; grep -E "prebuild:|rror" $L/prebuild.log | head -5
 [ "$TESTS" = all ] && TESTS=$(ls tests/gpu/test_*.py)
 run_tests() {
 for f in "$@"; do
