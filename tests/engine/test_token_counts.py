@@ -23,6 +23,17 @@ def expected(reqs: list[Request]) -> tuple[torch.Tensor, torch.Tensor]:
     return prompt, token_counts([r.output_token_ids if r else [] for r in users], VOCAB, CPU)
 
 
+def sample(counts: TokenCounts, reqs: list[Request], sampled: list[int]) -> None:
+    """A step: its penalties equal the reference's, then each request takes its sampled token."""
+    pen = counts.penalties(reqs)
+    assert pen is not None
+    prompt, output = expected(reqs)
+    assert torch.equal(pen.prompt_mask, prompt) and torch.equal(pen.output_counts, output)
+    counts.update(torch.tensor(sampled))
+    for r, t in zip(reqs, sampled, strict=True):
+        r.token_ids.append(t)
+
+
 def test_rows_follow_sampled_tokens_free_rows_are_rebuilt_and_other_rows_read_zeros() -> None:
     counts = TokenCounts(VOCAB, CPU, max_seqs=16)
     a = request("a", [1, 2, 2], [5], PENALISED)
@@ -30,13 +41,7 @@ def test_rows_follow_sampled_tokens_free_rows_are_rebuilt_and_other_rows_read_ze
     c = request("c", [4, 4], [7, 7], PENALISED)
     reqs = [a, free, c]
     for sampled in ([9, 9, 7], [5, 1, 7], [9, 9, 2]):
-        pen = counts.penalties(reqs)
-        assert pen is not None
-        prompt, output = expected(reqs)
-        assert torch.equal(pen.prompt_mask, prompt) and torch.equal(pen.output_counts, output)
-        counts.update(torch.tensor(sampled))
-        for r, t in zip(reqs, sampled, strict=True):
-            r.token_ids.append(t)
+        sample(counts, reqs, sampled)
 
     # A finished sequence's row goes to the next one, rebuilt from that one's ids alone.
     a.status = Status.FINISHED
@@ -64,13 +69,7 @@ def test_rows_are_made_once_for_a_full_step_and_a_preempted_sequence_gives_its_r
     counts = TokenCounts(VOCAB, CPU, max_seqs=2)
     a, b, c = (request(n, [i, i + 1], [i + 2] * i, PENALISED) for i, n in enumerate("abc", 1))
     for step, sampled in (([a, b], [7, 8]), ([c, a], [9, 7]), ([b, c], [8, 9]), ([a, b], [1, 2])):
-        pen = counts.penalties(step)
-        assert pen is not None
-        prompt, output = expected(step)
-        assert torch.equal(pen.prompt_mask, prompt) and torch.equal(pen.output_counts, output)
-        counts.update(torch.tensor(sampled))
-        for r, t in zip(step, sampled, strict=True):
-            r.token_ids.append(t)
+        sample(counts, step, sampled)
         held = counts.prompt.numel() + counts.counts.element_size() * counts.counts.numel()
         assert len(counts.rows) == 2 and held == TokenCounts.nbytes(VOCAB, 2)
 
