@@ -13,13 +13,14 @@ one invocation share the random model folders):
   (the cache the cold start left), each with its first request's TTFT; then a warm `kiln warmup` under
   cProfile (OUT.warmup.prof, and its top functions in OUT.warmup.txt);
 - each phase but copy also runs transformers (static cache + torch.compile) in the same run, unless
-  --skip-hf;
+  --skip-hf names it (or names no phase: all of them);
 - --deterministic runs kiln's side in its batch-invariant mode (backend.deterministic), so its cost shows
   against a default run;
 - --kernels torch runs batch1's and throughput's kiln with torch's reference ops around attention, which
   Inductor fuses with their neighbours, against Triton's opaque kernels (auto).
 
-    python perf/gpu_bench.py --out results.json --phases copy batch1 throughput startup [--skip-hf]
+    python perf/gpu_bench.py --out results.json --phases copy batch1 throughput startup
+        [--skip-hf [PHASE ...]]  # kiln only, in the phases named (all where none is)
         [--models DIR]  # keep the random models, so a run of another kiln tree measures the same ones
         [--deterministic] [--no-async-scheduling] [--kernels {auto,triton,torch}]
 """
@@ -468,7 +469,13 @@ def main() -> None:
     )
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--phases", nargs="+", choices=PHASES, default=list(PHASES))
-    parser.add_argument("--skip-hf", action="store_true", help="kiln only")
+    parser.add_argument(
+        "--skip-hf",
+        nargs="*",
+        choices=PHASES,
+        help="kiln only: in these phases, or in every phase where none is named (transformers' throughput "
+        "alone takes minutes)",
+    )
     parser.add_argument(
         "--models", type=Path, help="keep the random model folders here, to reuse in a later run (A/B runs)"
     )
@@ -483,6 +490,7 @@ def main() -> None:
         help="backend.kernels, not startup's",
     )
     args = parser.parse_args()
+    skip_hf = set(PHASES if args.skip_hf == [] else args.skip_hf or ())
     KILN_OPTIONS["deterministic"] = args.deterministic
     if args.kernels != "auto":
         KILN_OPTIONS["kernels"] = args.kernels  # startup's kiln serve keeps auto
@@ -499,6 +507,7 @@ def main() -> None:
         "deterministic": args.deterministic,
         "async_scheduling": not args.no_async_scheduling,
         "kernels": args.kernels,
+        "skip_hf": sorted(skip_hf),
         "out": str(args.out),
     }
 
@@ -512,11 +521,11 @@ def main() -> None:
             random_model("LlamaConfig", LLAMA3_8B, llama)  # the folder; each phase loads what it runs
         for phase in args.phases:
             if phase == "batch1":
-                batch1_phase(llama, result, args.skip_hf)
+                batch1_phase(llama, result, phase in skip_hf)
             elif phase == "throughput":
-                throughput_phase(models / "qwen3-0.6b", result, args.skip_hf)
+                throughput_phase(models / "qwen3-0.6b", result, phase in skip_hf)
             elif phase == "startup":
-                startup_phase(llama, Path(tmp) / "kiln-cache", args.out, result, args.skip_hf)
+                startup_phase(llama, Path(tmp) / "kiln-cache", args.out, result, phase in skip_hf)
             save(result)
     log.info("results: %s\n%s", args.out, json.dumps(result, indent=2))
 
