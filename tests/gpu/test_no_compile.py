@@ -10,9 +10,13 @@ from tests.compile.workload import OPTIONS, assert_nothing_compiles_after_ready
 from tests.models.tiny import build
 
 
-@pytest.mark.parametrize("head_dim", [16, 128], ids=["torch-attention", "flashinfer"])
-def test_nothing_compiles_after_ready_in_cudagraph_mode(head_dim: int, tmp_path: Path) -> None:
-    build("qwen3", tmp_path, head_dim if head_dim != 16 else None)
+@pytest.mark.parametrize(
+    ("arch", "head_dim"),
+    [("qwen3", 16), ("qwen3", 128), ("qwen3_moe", 128)],
+    ids=["torch-attention", "flashinfer", "flashinfer-moe"],  # moe: Triton's grouped GEMM in the graphs
+)
+def test_nothing_compiles_after_ready_in_cudagraph_mode(arch: str, head_dim: int, tmp_path: Path) -> None:
+    build(arch, tmp_path, head_dim if head_dim != 16 else None)
     llm = LLM(str(tmp_path), dtype="bfloat16", device="cuda", mode="cudagraph", kv_cache_gib=0.05, **OPTIONS)
     assert llm.engine.backend.attention == ("flashinfer" if head_dim == 128 else "torch")
     assert_nothing_compiles_after_ready(llm)
