@@ -25,6 +25,7 @@ import itertools
 import logging
 import time
 import weakref
+from typing import TypeVar
 
 import flashinfer
 import numpy as np
@@ -37,6 +38,12 @@ from kiln.ops.triton.kv_cache import write_kv
 log = logging.getLogger(__name__)
 
 WORKSPACE_BYTES = 256 * 2**20  # FlashInfer's split-k scratch, shared by every wrapper (one step at a time)
+INT_WORKSPACE_BYTES = 8 * 2**20  # each plan's schedule, the size every wrapper would allocate for itself
+
+Wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper | flashinfer.BatchPrefillWithPagedKVCacheWrapper
+W = TypeVar(
+    "W", flashinfer.BatchDecodeWithPagedKVCacheWrapper, flashinfer.BatchPrefillWithPagedKVCacheWrapper
+)
 
 # The custom op below takes tensors and an int, not a Python object: each backend is found by its id.
 _LIVE: weakref.WeakValueDictionary[int, FlashInferAttention] = weakref.WeakValueDictionary()
@@ -67,11 +74,14 @@ class FlashInferAttention:
         self.block_size, self.dtype, self.device = block_size, dtype, device
         self.max_blocks_per_seq = max_blocks_per_seq
         self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+        self.int_workspace = torch.zeros(INT_WORKSPACE_BYTES, dtype=torch.uint8, device=device)
         # Tensor-core decode is faster once several query heads share a KV head (FlashInfer's advice).
         self.tensor_cores = num_heads // num_kv_heads >= 4
-        self.prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD")
-        self.decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-            self.workspace, "NHD", use_tensor_cores=self.tensor_cores
+        self.prefill = self._shared(flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD"))
+        self.decode = self._shared(
+            flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+                self.workspace, "NHD", use_tensor_cores=self.tensor_cores
+            )
         )
         self.graph_decode: dict[int, flashinfer.BatchDecodeWithPagedKVCacheWrapper] = {}
         self.graph_prefill: dict[int, flashinfer.BatchPrefillWithPagedKVCacheWrapper] = {}
@@ -84,15 +94,20 @@ class FlashInferAttention:
             )
         # FlashInfer bakes these into the plan; every layer of a kiln model shares them.
         self.scale, self.sliding_window = scale, sliding_window
-        self._active: (
-            flashinfer.BatchDecodeWithPagedKVCacheWrapper | flashinfer.BatchPrefillWithPagedKVCacheWrapper
-        )
-        self._active = self.prefill
+        self._active: Wrapper = self.prefill
         # plan() stages its tables in pinned host buffers that the device copies from later. Under async
         # scheduling the next plan comes while the last step still runs: it waits for those copies first.
         self._planned = torch.cuda.Event()
         self.graph_id = next(_IDS)
         _LIVE[self.graph_id] = self
+
+    def _shared(self, wrapper: W) -> W:
+        """The wrapper on the shared workspaces. A plan writes its schedule into the int workspace and the run
+        it plans reads it, in stream order, one step after the other, as with the float workspace. The CUDA-
+        graph wrappers are made during capture, after the KV cache took what the memory profile left: 8 MiB
+        each of their own (up to 51 of them) would go over gpu_memory_utilization."""
+        wrapper.reset_workspace_buffer(self.workspace, self.int_workspace)
+        return wrapper
 
     def _graph_indices(self, batch: int) -> torch.Tensor:
         """The graphs' page indices, one buffer for all (made at the first graph's size, the largest: they are
@@ -107,7 +122,7 @@ class FlashInferAttention:
     def _graph_wrapper(self, batch: int) -> flashinfer.BatchDecodeWithPagedKVCacheWrapper:
         if batch not in self.graph_decode:
             i32 = {"dtype": torch.int32, "device": self.device}
-            self.graph_decode[batch] = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+            wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
                 self.workspace,
                 "NHD",
                 use_cuda_graph=True,
@@ -116,6 +131,7 @@ class FlashInferAttention:
                 paged_kv_indices_buffer=self._graph_indices(batch),
                 paged_kv_last_page_len_buffer=torch.zeros(batch, **i32),
             )
+            self.graph_decode[batch] = self._shared(wrapper)
         return self.graph_decode[batch]
 
     def _graph_prefill(self, batch: int) -> flashinfer.BatchPrefillWithPagedKVCacheWrapper:
@@ -134,7 +150,7 @@ class FlashInferAttention:
             # FA3's 64 MiB page-to-token index is written and read within one run (one step at a time, as
             # the workspace): every wrapper shares the first one's rather than holding its own.
             wrapper._vector_sparse_indices_buffer = self.prefill._vector_sparse_indices_buffer
-            self.graph_prefill[batch] = wrapper
+            self.graph_prefill[batch] = self._shared(wrapper)
         return self.graph_prefill[batch]
 
     def plan(self, layout: StepLayout) -> None:
