@@ -17,14 +17,18 @@ def main() -> None:
     model, options = sys.argv[1], json.loads(sys.argv[2])
     llm = LLM(model, **options)
     made = {name: "loaded" if s.loaded else "traced" for name, s in llm.engine.runner.lowering.steps.items()}
+    report = {"tokens": generate(llm), "graphs": made, "counters": compile_counters()}
+    sys.stdout.write(json.dumps(report | {"entry": str(llm.engine.compile_cache.dir)}) + "\n")
+
+
+def generate(llm: LLM) -> list[list[int]]:
+    """Greedy tokens through every graph class: decode batches of one, then of several."""
     greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-    alone = llm.generate([[5, 9, 13]], greedy, use_tqdm=False)  # decode batches of one
+    alone = llm.generate([[5, 9, 13]], greedy, use_tqdm=False)
     many = llm.generate(
         [[(7 * i + n) % 200 + 1 for i in range(n)] for n in (1, 4, 17, 40)], greedy, use_tqdm=False
     )
-    tokens = [list(o.outputs[0].token_ids) for o in alone + many]
-    report = {"tokens": tokens, "graphs": made, "counters": compile_counters()}
-    sys.stdout.write(json.dumps(report | {"entry": str(llm.engine.compile_cache.dir)}) + "\n")
+    return [list(o.outputs[0].token_ids) for o in alone + many]
 
 
 def run(model: Path, cache: Path, **options: object) -> dict:

@@ -149,11 +149,16 @@ def varied32(llm32: LLM) -> list[Target]:
     return batch
 
 
+@pytest.fixture(scope="module")
+def alone32(llm32: LLM, varied32: list[Target]) -> list[list[int]]:
+    return [run(llm32, [t])[0] for t in varied32]
+
+
 @pytest.mark.parametrize("concurrency", [1, 4, 16])
 def test_greedy_tokens_at_any_concurrency_equal_batch_1_in_float32(
-    llm32: LLM, varied32: list[Target], concurrency: int
+    llm32: LLM, varied32: list[Target], alone32: list[list[int]], concurrency: int
 ) -> None:
-    assert at_concurrency(llm32, varied32, concurrency) == [run(llm32, [t])[0] for t in varied32]
+    assert at_concurrency(llm32, varied32, concurrency) == alone32
 
 
 @pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe"])
