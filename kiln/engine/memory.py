@@ -36,7 +36,7 @@ class MemoryProfile:
     weights: int
     in_use: int  # everything allocated between steps: weights, workspaces, the CUDA context, other processes
     step_peak: int  # a max_num_batched_tokens step and the sampler's largest draw, above what is allocated
-    graph_pool: int  # the largest decode step's activations, which its CUDA graph keeps in its own pool
+    graph_pool: int  # the CUDA graphs' pool: the largest decode step's activations, every graph's output
     penalty_rows: int  # TokenCounts' rows, made at the first request with a penalty
 
     @property
@@ -76,8 +76,12 @@ def profile_memory(runner: ModelRunner, utilization: float, max_tokens: int, gra
     runner.allocate_kv(1)
     step = _peak_of(lambda: runner.profile_step(Bucket("tokens", max_tokens)), device)
     sampler = _peak_of(lambda: runner.profile_sampler(runner.max_num_seqs), device)
-    largest = Bucket("decode", runner.lowering.plan.decode_sizes[-1])  # the largest CUDA graph
-    pool = _peak_of(lambda: runner.profile_step(largest), device) if graphs else 0
+    sizes = runner.lowering.plan.decode_sizes
+    largest = Bucket("decode", sizes[-1])  # the largest CUDA graph, captured first
+    # The graphs share one pool. Each later one reuses what the ones before it freed, but every graph keeps
+    # its output (the step's hidden states) allocated there, for its replays to write.
+    outputs = sum(sizes[:-1]) * runner.model.dims.hidden_size * runner.dtype.itemsize
+    pool = _peak_of(lambda: runner.profile_step(largest), device) + outputs if graphs else 0
     runner.kv_caches = []
     torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info(device)
