@@ -7,11 +7,13 @@
 # runs tests/gpu file by file, then perf/gpu_bench.py's phases, and packs logs and the cache (object files
 # emptied, mtimes kept, so ninja finds them up to date) under $OUT.
 # Files joined by commas run in one pytest process (one import of torch and kiln, not one a file).
-# Env: E2E_S and BENCH_S cap test_end_to_end and the benchmark; LATE_TESTS run after the benchmark;
-# NOPACK=1 skips packing the cache (gzipped, its inductor part outgrew what a run may return once the 8B
-# shape was compiled); PYTEST_K selects tests in every file (pytest -k); AB=DIR (a folder holding another
-# kiln tree's kiln/, e.g. from `git archive REV kiln`) reruns the phases kiln-only on that tree, then on
-# this one again, on the same random models (gpu_bench.base.json, gpu_bench.again.json).
+# Env: E2E_S and BENCH_S cap test_end_to_end and the benchmark; LATE_TESTS run after the benchmark; NOPACK=1
+# skips packing the cache (gzipped, its inductor part outgrew what a run may return once the 8B shape was
+# compiled); PACK="flashinfer" packs only those folders of it (FlashInfer's builds, object files emptied:
+# the next run skips their 100-176 s cold build, even in a later session where .gpu/ persists); PYTEST_K
+# selects tests in every file (pytest -k); AB=DIR (a folder holding another kiln tree's kiln/, e.g. from
+# `git archive REV kiln`) reruns the phases kiln-only on that tree, then on this one again, on the same
+# random models (gpu_bench.base.json, gpu_bench.again.json).
 # BENCHMARKS.md's GPU numbers came from runs of this script.
 set -u
 T0=$(date +%s); TOTAL=${1:-560}; TESTS=${2-all}; PHASES=${3:-}; shift 3 2>/dev/null; BENCH_ARGS=("$@")
@@ -73,5 +75,5 @@ du -sh "$KILN_CACHE_DIR"/* 2>/dev/null; du -sh ~/.cache/* 2>/dev/null
 [ -n "${NOPACK:-}" ] && { tar -czf $OUT/logs.tgz -C $L .; exit 0; }
 find "$KILN_CACHE_DIR/flashinfer" -name "*.o" | while read -r o; do m=$(stat -c %Y "$o"); : > "$o"; touch -d "@$m" "$o"; done
 # xz, solid: the cache's entries repeat each other's code (the CPU's 295 MB: 47 MB gzipped, 4.1 MB here).
-tar -cf - -C "$KILN_CACHE_DIR" . | txz > /tmp/kc.txz && split -b 15M /tmp/kc.txz "$OUT/kc.txz."; ls -la $OUT
+tar -cf - -C "$KILN_CACHE_DIR" ${PACK:-.} | txz > /tmp/kc.txz && split -b 15M /tmp/kc.txz "$OUT/kc.txz."; ls -la $OUT
 tar -czf $OUT/logs.tgz -C $L .
