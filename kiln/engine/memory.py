@@ -80,7 +80,8 @@ def profile_memory(runner: ModelRunner, utilization: float, max_tokens: int, gra
     largest = Bucket("decode", sizes[-1])  # the largest CUDA graph, captured first
     # The graphs share one pool. Each later one reuses what the ones before it freed, but every graph keeps
     # its output (the step's hidden states) allocated there, for its replays to write.
-    outputs = sum(sizes[:-1]) * runner.model.dims.hidden_size * runner.dtype.itemsize
+    itemsize = (runner.model.kernels.activations or runner.dtype).itemsize
+    outputs = sum(sizes[:-1]) * runner.model.dims.hidden_size * itemsize
     pool = _peak_of(lambda: runner.profile_step(largest), device) + outputs if graphs else 0
     runner.kv_caches = []
     torch.cuda.empty_cache()
