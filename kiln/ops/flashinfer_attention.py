@@ -25,7 +25,7 @@ import itertools
 import logging
 import time
 import weakref
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import flashinfer
 import numpy as np
@@ -77,11 +77,9 @@ class FlashInferAttention:
         self.int_workspace = torch.zeros(INT_WORKSPACE_BYTES, dtype=torch.uint8, device=device)
         # Tensor-core decode is faster once several query heads share a KV head (FlashInfer's advice).
         self.tensor_cores = num_heads // num_kv_heads >= 4
-        self.prefill = self._shared(flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD"))
-        self.decode = self._shared(
-            flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-                self.workspace, "NHD", use_tensor_cores=self.tensor_cores
-            )
+        self.prefill = self._wrapper(flashinfer.BatchPrefillWithPagedKVCacheWrapper)
+        self.decode = self._wrapper(
+            flashinfer.BatchDecodeWithPagedKVCacheWrapper, use_tensor_cores=self.tensor_cores
         )
         self.graph_decode: dict[int, flashinfer.BatchDecodeWithPagedKVCacheWrapper] = {}
         self.graph_prefill: dict[int, flashinfer.BatchPrefillWithPagedKVCacheWrapper] = {}
@@ -101,11 +99,12 @@ class FlashInferAttention:
         self.graph_id = next(_IDS)
         _LIVE[self.graph_id] = self
 
-    def _shared(self, wrapper: W) -> W:
-        """The wrapper on the shared workspaces. A plan writes its schedule into the int workspace and the run
-        it plans reads it, in stream order, one step after the other, as with the float workspace. The CUDA-
-        graph wrappers are made during capture, after the KV cache took what the memory profile left: 8 MiB
-        each of their own (up to 51 of them) would go over gpu_memory_utilization."""
+    def _wrapper(self, cls: type[W], **options: Any) -> W:
+        """Every wrapper, on the shared workspaces. A plan writes its schedule into the int workspace and the
+        run it plans reads it, in stream order, one step after the other, as with the float workspace. The
+        CUDA-graph wrappers are made during capture, after the KV cache took what the memory profile left:
+        8 MiB each of their own (up to 51 of them) would go over gpu_memory_utilization."""
+        wrapper = cls(self.workspace, "NHD", **options)
         wrapper.reset_workspace_buffer(self.workspace, self.int_workspace)
         return wrapper
 
@@ -122,25 +121,22 @@ class FlashInferAttention:
     def _graph_wrapper(self, batch: int) -> flashinfer.BatchDecodeWithPagedKVCacheWrapper:
         if batch not in self.graph_decode:
             i32 = {"dtype": torch.int32, "device": self.device}
-            wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-                self.workspace,
-                "NHD",
+            self.graph_decode[batch] = self._wrapper(
+                flashinfer.BatchDecodeWithPagedKVCacheWrapper,
                 use_cuda_graph=True,
                 use_tensor_cores=self.tensor_cores,
                 paged_kv_indptr_buffer=torch.zeros(batch + 1, **i32),
                 paged_kv_indices_buffer=self._graph_indices(batch),
                 paged_kv_last_page_len_buffer=torch.zeros(batch, **i32),
             )
-            self.graph_decode[batch] = self._shared(wrapper)
         return self.graph_decode[batch]
 
     def _graph_prefill(self, batch: int) -> flashinfer.BatchPrefillWithPagedKVCacheWrapper:
         """Deterministic mode's decode graphs: the prefill kernel on fixed buffers, one query per request."""
         if batch not in self.graph_prefill:
             i32 = {"dtype": torch.int32, "device": self.device}
-            wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
-                self.workspace,
-                "NHD",
+            wrapper = self._wrapper(
+                flashinfer.BatchPrefillWithPagedKVCacheWrapper,
                 use_cuda_graph=True,
                 qo_indptr_buf=torch.zeros(batch + 1, **i32),
                 paged_kv_indptr_buf=torch.zeros(batch + 1, **i32),
@@ -150,7 +146,7 @@ class FlashInferAttention:
             # FA3's 64 MiB page-to-token index is written and read within one run (one step at a time, as
             # the workspace): every wrapper shares the first one's rather than holding its own.
             wrapper._vector_sparse_indices_buffer = self.prefill._vector_sparse_indices_buffer
-            self.graph_prefill[batch] = self._shared(wrapper)
+            self.graph_prefill[batch] = wrapper
         return self.graph_prefill[batch]
 
     def plan(self, layout: StepLayout) -> None:
