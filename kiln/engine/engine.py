@@ -11,6 +11,7 @@ from typing import Any
 import msgspec
 import torch
 
+from kiln.compile.buckets import BucketPlan
 from kiln.compile.cache import CompileCache, point_caches
 from kiln.compile.lowering import BucketReport
 from kiln.config import EngineConfig
@@ -71,8 +72,9 @@ class LLMEngine:
         self.backend = choose_backend(
             b.kernels, b.attention, b.sampler, device, dims.head_dim, dtype, b.deterministic
         )
+        max_graph_batch = BucketPlan.from_config(config).decode_sizes[-1]
         attention = self.backend.make_attention(
-            dims, config.cache.block_size, self.max_model_len, dtype, device
+            dims, config.cache.block_size, self.max_model_len, max_graph_batch, dtype, device
         )
         kernels = self.backend.layer_kernels(device, dtype)
         built = time.perf_counter() - start

@@ -102,9 +102,10 @@ class Backend:
         return self.kernels == "cpu" and dtype == torch.bfloat16 and cpu_native.amx()
 
     def make_attention(
-        self, heads: AttentionHeads, block_size: int, max_model_len: int, dtype: torch.dtype,
-        device: torch.device,
+        self, heads: AttentionHeads, block_size: int, max_model_len: int, max_graph_batch: int,
+        dtype: torch.dtype, device: torch.device,
     ) -> AttentionImpl:  # fmt: skip
+        """max_graph_batch: the largest decode batch a CUDA graph may capture."""
         if self.attention == "cpu":
             from kiln.ops.cpu.attention import CpuAttention, pair_layout
 
@@ -121,7 +122,8 @@ class Backend:
         h = heads
         return FlashInferAttention(
             h.num_heads, h.num_kv_heads, h.head_dim, block_size, dtype, device,
-            table_width(max_model_len, block_size), h.head_dim**-0.5, h.sliding_window, self.deterministic,
+            table_width(max_model_len, block_size), h.head_dim**-0.5, h.sliding_window, max_graph_batch,
+            self.deterministic,
         )  # fmt: skip
 
     def sampler_ops(self) -> tuple[Prepare, Draw, Mask, Argmax]:

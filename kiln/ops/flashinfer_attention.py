@@ -32,12 +32,12 @@ import numpy as np
 import torch
 
 from kiln.ops.attention import AttnMetadata, StepLayout
+from kiln.ops.flashinfer_workspace import workspace_bytes
 from kiln.ops.transfer import pinned, to_device
 from kiln.ops.triton.kv_cache import write_kv
 
 log = logging.getLogger(__name__)
 
-WORKSPACE_BYTES = 256 * 2**20  # FlashInfer's split-k scratch, shared by every wrapper (one step at a time)
 INT_WORKSPACE_BYTES = 8 * 2**20  # each plan's schedule, the size every wrapper would allocate for itself
 
 Wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper | flashinfer.BatchPrefillWithPagedKVCacheWrapper
@@ -67,16 +67,23 @@ class FlashInferAttention:
         max_blocks_per_seq: int,
         scale: float,
         sliding_window: int,
+        max_graph_batch: int,
         deterministic: bool = False,
     ) -> None:
+        """max_graph_batch: the largest decode CUDA graph's batch, which sizes the shared split-KV scratch."""
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.deterministic = deterministic
         self.block_size, self.dtype, self.device = block_size, dtype, device
         self.max_blocks_per_seq = max_blocks_per_seq
-        self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
-        self.int_workspace = torch.zeros(INT_WORKSPACE_BYTES, dtype=torch.uint8, device=device)
         # Tensor-core decode is faster once several query heads share a KV head (FlashInfer's advice).
         self.tensor_cores = num_heads // num_kv_heads >= 4
+        fa2_prefill = prefill_backend(dtype, device) != "fa3"
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+        size = workspace_bytes(
+            num_heads, num_kv_heads, head_dim, sms, max_graph_batch, self.tensor_cores, fa2_prefill
+        )
+        self.workspace = torch.zeros(size, dtype=torch.uint8, device=device)
+        self.int_workspace = torch.zeros(INT_WORKSPACE_BYTES, dtype=torch.uint8, device=device)
         self.prefill = self._wrapper(flashinfer.BatchPrefillWithPagedKVCacheWrapper)
         self.decode = self._wrapper(
             flashinfer.BatchDecodeWithPagedKVCacheWrapper, use_tensor_cores=self.tensor_cores
@@ -85,7 +92,7 @@ class FlashInferAttention:
         self.graph_prefill: dict[int, flashinfer.BatchPrefillWithPagedKVCacheWrapper] = {}
         self._indices: torch.Tensor | None = None
         build_kernels(head_dim, dtype, device, sliding_window > 0, self.tensor_cores)
-        if deterministic and prefill_backend(dtype, device) != "fa3":
+        if deterministic and fa2_prefill:
             log.warning(
                 "deterministic: FlashInfer prefills with FA2 on this GPU, whose query tile follows the "
                 "step's mean query length (flashinfer#2424): attention may still depend on the batch"

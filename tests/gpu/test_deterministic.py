@@ -93,7 +93,7 @@ def test_flashinfer_rows_are_the_same_bits_in_every_kind_of_step(D: int) -> None
     rng = np.random.default_rng(0)
     dev = torch.device("cuda")
     cache = torch.randn(BLOCKS + 1, 2, BS, KVH, D, device=dev, dtype=torch.bfloat16)
-    fi = FlashInferAttention(H, KVH, D, BS, torch.bfloat16, dev, WIDTH, D**-0.5, 0, deterministic=True)
+    fi = FlashInferAttention(H, KVH, D, BS, torch.bfloat16, dev, WIDTH, D**-0.5, 0, 8, deterministic=True)
     table = rng.permutation(BLOCKS)[:WIDTH]
     q = torch.randn(L, H, D, device=dev, dtype=torch.bfloat16)
     last = (table, L - 1, q[-1:])

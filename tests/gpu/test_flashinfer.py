@@ -37,7 +37,7 @@ def _step(
         torch.from_numpy(table).to(dev),
         decode_only,
     )
-    fi = FlashInferAttention(H, KVH, D, BS, torch.bfloat16, dev, width, D**-0.5, window)
+    fi = FlashInferAttention(H, KVH, D, BS, torch.bfloat16, dev, width, D**-0.5, window, len(seq))
     fi.plan(StepLayout(qsl, np.array(seq, dtype=np.int32), table, decode_only, False))
     ref_cache = cache.clone()
     want = TORCH_ATTENTION.forward(q, k, v, ref_cache, meta, D**-0.5, window)

@@ -1,6 +1,7 @@
 """gpu_memory_utilization is a ceiling, as vLLM users read it: after ready and a workload that reaches each
 peak the memory profile sized the KV cache around (the largest mixed step, the largest CUDA graph among 35,
-the penalties' rows), the device's memory in use stays within utilization x its memory."""
+the penalties' rows), the device's memory in use stays within utilization x its memory. And FlashInfer's
+float workspace is as large as the largest CUDA graph's plan needs."""
 
 from pathlib import Path
 
@@ -40,3 +41,27 @@ def test_memory_in_use_stays_within_gpu_memory_utilization(tmp_path: Path) -> No
     budget = int(UTILIZATION * total)
     print(f"in use {(total - free) / 2**30:.3f} GiB, budget {budget / 2**30:.3f} GiB")
     assert total - free <= budget + SLACK
+
+
+def test_graphs_whose_split_kv_scratch_outgrows_the_floor_capture_and_decode(tmp_path: Path) -> None:
+    """32 query heads over 2 at head dim 256 (vllm-project/vllm#40023's shape): tensor-core decode, whose
+    512-row graph's plan asks 538 MB of the float workspace. A fixed 256 MiB one failed at capture with
+    FlashInfer's "Buffer overflow"."""
+    from kiln.ops.flashinfer_workspace import FLOOR_BYTES, SLACK_BYTES, graph_decode_scratch
+
+    build("qwen3", tmp_path, 256, num_attention_heads=32, num_key_value_heads=2)
+    llm = LLM(str(tmp_path), dtype="bfloat16", device="cuda", mode="cudagraph", max_num_seqs=512,
+              decode_sizes=[8, 512], kv_cache_gib=1)  # fmt: skip
+    attention = llm.engine.model.attention
+    assert attention.tensor_cores
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    need = graph_decode_scratch(32, 2, 256, sms, 512)
+    assert need > FLOOR_BYTES
+    assert attention.workspace.numel() == need + SLACK_BYTES
+    assert sorted(llm.engine.runner.lowering.graphs.captured) == [8, 512]
+    prompts = [{"prompt_token_ids": [(i + j) % 50 + 1 for j in range(20)]} for i in range(512)]
+    greedy = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    outputs = llm.generate(prompts, greedy, use_tqdm=False)
+    # One at a time, the same prompts decode in the 8-row graph, on a plan of other splits.
+    alone = [llm.generate(p, greedy, use_tqdm=False)[0] for p in prompts[:4]]
+    assert [o.outputs[0].token_ids for o in outputs[:4]] == [o.outputs[0].token_ids for o in alone]

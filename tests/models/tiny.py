@@ -1,6 +1,7 @@
 """Tiny random models of every supported architecture, built and saved by transformers itself."""
 
 from pathlib import Path
+from typing import Any
 
 import torch
 import transformers
@@ -63,11 +64,13 @@ def with_head_dim(kwargs: dict, head_dim: int) -> dict:
     return out
 
 
-def build(name: str, path: Path, head_dim: int | None = None) -> torch.nn.Module:
+def build(name: str, path: Path, head_dim: int | None = None, **overrides: Any) -> torch.nn.Module:
     """Saves a seeded random model (fp32 safetensors + tokenizer) to path; returns transformers' model.
-    head_dim widens the model to that head size (otherwise 16, or 32 for qwen3)."""
+    head_dim widens the model to that head size (otherwise 16, or 32 for qwen3); overrides set config
+    fields."""
     config_cls, kwargs = CONFIGS[name]
     kwargs = with_head_dim(kwargs, head_dim) if head_dim else kwargs
+    kwargs = dict(kwargs, **overrides)
     config = getattr(transformers, config_cls)(**kwargs, bos_token_id=None, eos_token_id=None)
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)

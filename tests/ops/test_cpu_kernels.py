@@ -247,7 +247,7 @@ def test_cpu_attention_needs_block_size_a_multiple_of_8() -> None:
 
     heads = SimpleNamespace(num_heads=6, num_kv_heads=2, head_dim=64, sliding_window=0)
     with pytest.raises(ValueError, match=r"cache\.block_size 12"):
-        Backend("cpu", "cpu", "torch").make_attention(heads, 12, 64, torch.float16, torch.device("cpu"))
+        Backend("cpu", "cpu", "torch").make_attention(heads, 12, 64, 1, torch.float16, torch.device("cpu"))
 
 
 @pytest.mark.parametrize("vocab", [64, 49152, 1000 + 7])
