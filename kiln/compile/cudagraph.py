@@ -20,7 +20,7 @@ log = logging.getLogger(__name__)
 @dataclass(slots=True)
 class _Graph:
     graph: torch.cuda.CUDAGraph
-    inputs: list[torch.Tensor]  # the static buffers a replay copies the step's tensors into
+    inputs: list[torch.Tensor]  # the static buffers (views of CudaGraphs' shared ones) a replay fills
     output: torch.Tensor
 
 
@@ -41,6 +41,22 @@ class CudaGraphs:
         self.captured: dict[int, _Graph] = {}
         self.pool: Any = None  # one memory pool, shared by every graph (they never run at once)
         self.seconds = 0.0  # spent recording, beyond the warm-up run that compiles
+        self._buffers: list[torch.Tensor] = []  # flat, one per step tensor: every graph's inputs view them
+
+    def _static(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Copies of the step's tensors in buffers every graph shares, as they share the pool: a replay fills
+        its inputs, then runs, one step after the other. Graphs are captured largest first, so the first
+        sizes the buffers. One set each would hold its batch's full-width block table: 100 MB and more
+        over 51 graphs at long max_model_len, made after the KV cache took the rest of the budget."""
+        static = []
+        for i, t in enumerate(tensors):
+            flat = self._buffers[i] if i < len(self._buffers) else None
+            if flat is None or flat.numel() < t.numel() or flat.dtype != t.dtype:
+                # A graph captured before keeps the old buffer through its views.
+                flat = torch.empty(t.numel(), dtype=t.dtype, device=t.device)
+                self._buffers[i : i + 1] = [flat]
+            static.append(flat[: t.numel()].view(t.shape).copy_(t))
+        return static
 
     def capture(
         self, batch: int, forward: Callable[..., torch.Tensor], args: tuple[Any, ...]
@@ -48,7 +64,7 @@ class CudaGraphs:
         """Runs the step once (compiling what it needs), then records it. The runner has already planned
         the attention backend for this batch, so the recorded kernels read the planned buffers."""
         kv_caches, meta = args[2], args[3]
-        static = [t.clone() for t in _step_tensors(args)]
+        static = self._static(_step_tensors(args))
         static_meta = AttnMetadata(*static[2:], decode_only=meta.decode_only)
         static_args = (static[0], static[1], kv_caches, static_meta)
         forward(*static_args)

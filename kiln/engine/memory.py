@@ -36,7 +36,7 @@ class MemoryProfile:
     weights: int
     in_use: int  # everything allocated between steps: weights, workspaces, the CUDA context, other processes
     step_peak: int  # a max_num_batched_tokens step and the sampler's largest draw, above what is allocated
-    graph_pool: int  # the CUDA graphs' pool: the largest decode step's activations, every graph's output
+    graph_pool: int  # the CUDA graphs: the largest decode step's activations and inputs, every graph's output
     penalty_rows: int  # TokenCounts' rows, made at the first request with a penalty
 
     @property
@@ -79,10 +79,14 @@ def profile_memory(runner: ModelRunner, utilization: float, max_tokens: int, gra
     sizes = runner.lowering.plan.decode_sizes
     largest = Bucket("decode", sizes[-1])  # the largest CUDA graph, captured first
     # The graphs share one pool. Each later one reuses what the ones before it freed, but every graph keeps
-    # its output (the step's hidden states) allocated there, for its replays to write.
+    # its output (the step's hidden states) allocated there, for its replays to write. Outside the pool, they
+    # share one copy of the largest step's inputs (CudaGraphs._static): a full-width block table per row.
     itemsize = (runner.model.kernels.activations or runner.dtype).itemsize
     outputs = sum(sizes[:-1]) * runner.model.dims.hidden_size * itemsize
-    pool = _peak_of(lambda: runner.profile_step(largest), device) + outputs if graphs else 0
+    b = runner.buf
+    per_row = (b.input_ids, b.positions, b.slot_mapping, b.query_start_loc, b.seq_lens)
+    inputs = sizes[-1] * (b.block_table[0].nbytes + sum(a.itemsize for a in per_row))
+    pool = _peak_of(lambda: runner.profile_step(largest), device) + outputs + inputs if graphs else 0
     runner.kv_caches = []
     torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info(device)
