@@ -8,7 +8,6 @@ import flashinfer.sampling as fs
 import torch
 
 from kiln.ops.sampling_metadata import SamplingMetadata
-from kiln.ops.transfer import to_device
 
 Filter = torch.Tensor | float | None  # per row, one value for a single row, or off
 
@@ -18,17 +17,13 @@ def draw_tokens(
 ) -> torch.Tensor:
     top_k = meta.top_k.to(torch.int32) if meta.top_k is not None else None
     top_p, min_p = meta.top_p, meta.min_p
-    if not meta.seeded:
-        return _draw(logits, top_k, top_p, min_p, generator).long()
-    # FlashInfer takes one generator per call: seeded rows are drawn one call each, the rest together.
-    out = torch.empty(len(logits), dtype=torch.int64, device=logits.device)
-    rest = torch.ones(len(logits), dtype=torch.bool)
-    rest[list(meta.seeded)] = False
-    if rest.any():
-        idx = to_device(rest.nonzero().flatten(), None, logits.device)
-        out[idx] = _draw(
-            logits[idx], *(f[idx] if f is not None else None for f in (top_k, top_p, min_p)), generator
-        ).long()
+    if len(meta.seeded) < len(logits):
+        out = _draw(logits, top_k, top_p, min_p, generator).long()
+    else:
+        out = torch.empty(len(logits), dtype=torch.int64, device=logits.device)
+    # FlashInfer takes one generator per call: each seeded row is drawn again, alone, over the batch's
+    # draw of it. (Drawing only the other rows would first copy them: rows x vocabulary floats more than
+    # the memory profile's draw.)
     for row, s in meta.seeded.items():
         # The row's own filters pick its kernels, never its batch's: each kernel draws differently from the
         # same generator, so a batch's filters would change a seeded request's tokens.

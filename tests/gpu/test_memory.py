@@ -30,10 +30,15 @@ def test_memory_in_use_stays_within_gpu_memory_utilization(tmp_path: Path) -> No
     )
     assert llm.engine.backend.attention == "flashinfer"
     assert max(llm.engine.runner.lowering.plan.decode_sizes) == 256
-    # 256 prompts fill the 2,048-token steps, then decode together in the largest graph; every row has a
-    # penalty, so every penalty row is made.
+    # 256 prompts fill the 2,048-token steps, then decode together; every row has a penalty, so every
+    # penalty row is made. Half the rows are seeded (drawn with the batch, then again alone), some ask for
+    # prompt logprobs.
     prompts = [{"prompt_token_ids": [(i + j) % 50 + 1 for j in range(200)]} for i in range(256)]
-    params = SamplingParams(max_tokens=16, temperature=1.0, seed=0, repetition_penalty=1.1)
+    common = {"max_tokens": 16, "temperature": 1.0, "repetition_penalty": 1.1}
+    params = [
+        SamplingParams(**common, seed=i if i % 2 else None, prompt_logprobs=1 if i % 64 == 0 else None)
+        for i in range(256)
+    ]
     outputs = llm.generate(prompts, params, use_tqdm=False)
     assert all(len(o.outputs[0].token_ids) == 16 for o in outputs)
     torch.cuda.synchronize()
