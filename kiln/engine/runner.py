@@ -293,7 +293,15 @@ class ModelRunner:
             end = min(start + new[i], r.num_prompt_tokens - 1)
             if end <= start:
                 continue
-            logits = self.model.compute_logits(hidden[cu[i] : cu[i] + end - start])
+            rows = hidden[cu[i] : cu[i] + end - start]
             targets = to_device(r.token_ids[start + 1 : end + 1], torch.int64, self.device)
-            out[r] = PromptLogprobs(start, *compute_logprobs(logits, targets, k))
+            # max_num_seqs rows at a time: their logits, log-softmax and comparison (9 bytes a vocabulary
+            # entry) stay below the sampler's largest draw, which the GPU memory profile sets aside. A
+            # 2,048-token chunk at once would take 2.8 GB at a vocabulary of 152k.
+            n = self.max_num_seqs
+            parts = [
+                compute_logprobs(self.model.compute_logits(rows[a : a + n]), targets[a : a + n], k)
+                for a in range(0, len(rows), n)
+            ]
+            out[r] = PromptLogprobs(start, *(torch.cat(p) for p in zip(*parts, strict=True)))
         return out

@@ -329,6 +329,20 @@ def check_position(entry: dict, row: torch.Tensor, token: int, k: int, tok: Any)
         assert entry[tid].decoded_token == tok.decode([tid])
 
 
+def test_prompt_logprobs_taken_a_few_rows_at_a_time_match_transformers(
+    default_model_dir: Path, hf_model: Any, text_ids: list[int]
+) -> None:
+    """The runner takes prompt logprobs max_num_seqs rows at a time (their vocabulary-wide logits would
+    outgrow the GPU memory profile): 3 here, so each 64-token step spans 22 chunks."""
+    llm = LLM(str(default_model_dir), enforce_eager=True, max_num_seqs=3, max_num_batched_tokens=64, **ROOMY)
+    prompt = text_ids[:100]
+    out = gen(llm, [prompt], SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=2))[0]
+    assert out.prompt_logprobs is not None and len(out.prompt_logprobs) == len(prompt)
+    ref = reference_logprobs(hf_model, prompt)
+    for j in range(1, len(prompt)):
+        check_position(out.prompt_logprobs[j], ref[j - 1], prompt[j], 2, llm.get_tokenizer())
+
+
 def test_logprobs_match_transformers(roomy: LLM, hf_model: Any) -> None:
     tok = roomy.get_tokenizer()
     prompt = tok.encode("The quick brown fox jumps over the lazy dog. Then it")
