@@ -78,6 +78,7 @@ class FlashInferAttention:
         # Tensor-core decode is faster once several query heads share a KV head (FlashInfer's advice).
         self.tensor_cores = num_heads // num_kv_heads >= 4
         fa2_prefill = prefill_backend(dtype, device) != "fa3"
+        self.fa3 = not fa2_prefill
         sms = torch.cuda.get_device_properties(device).multi_processor_count
         size = workspace_bytes(
             num_heads, num_kv_heads, head_dim, sms, max_graph_batch, self.tensor_cores, fa2_prefill
@@ -152,9 +153,20 @@ class FlashInferAttention:
             )
             # FA3's 64 MiB page-to-token index is written and read within one run (one step at a time, as
             # the workspace): every wrapper shares the first one's rather than holding its own.
+            self._fit_token_index(batch * self.max_blocks_per_seq * self.block_size)
             wrapper._vector_sparse_indices_buffer = self.prefill._vector_sparse_indices_buffer
             self.graph_prefill[batch] = wrapper
         return self.graph_prefill[batch]
+
+    def _fit_token_index(self, tokens: int) -> None:
+        """FA3 expands a step's pages into one index per KV token, in a buffer FlashInfer sizes for 16M. A
+        mixed step can read more: 1,024 requests on one cached 16k-token prefix. It grows (past the memory
+        profile) rather than let the kernel write beyond it; a captured graph keeps the buffer it read."""
+        if not self.fa3 or tokens <= (have := self.prefill._vector_sparse_indices_buffer).numel():
+            return
+        size = max(tokens, 2 * have.numel())
+        log.warning("FlashInfer's FA3 token index grows to %d tokens (%d MiB)", size, size * 4 // 2**20)
+        self.prefill._vector_sparse_indices_buffer = torch.empty(size, dtype=torch.int32, device=self.device)
 
     def plan(self, layout: StepLayout) -> None:
         self._planned.synchronize()
@@ -167,6 +179,7 @@ class FlashInferAttention:
         # sync; host page indices it would copy into a CUDA-graph wrapper's buffer blocking (a sync), so they
         # go to the device first.
         paged = [pinned(indptr), to_device(indices, None, self.device), pinned(last_page_len)]
+        tokens = int(kv_lens.sum())
         # The KV lengths, as FlashInfer would compute them from the pages: given pinned, the prefill plan's
         # copy of them is queued too.
         kv_lens = pinned(kv_lens)
@@ -181,6 +194,8 @@ class FlashInferAttention:
         }
         qo_indptr = pinned(layout.query_start_loc.astype(np.int32))
         if self.deterministic:
+            if not layout.graph:
+                self._fit_token_index(tokens)
             self._active = self._graph_prefill(len(layout.seq_lens)) if layout.graph else self.prefill
             self._active.plan(
                 qo_indptr, *paged, head_dim_qk=self.head_dim, causal=True, disable_split_kv=True,
@@ -193,6 +208,7 @@ class FlashInferAttention:
             self._active.plan(*paged, head_dim=self.head_dim, **common)
             return
         self._active = self.prefill
+        self._fit_token_index(tokens)
         self.prefill.plan(
             qo_indptr, *paged, head_dim_qk=self.head_dim, causal=True, seq_lens=kv_lens, **common
         )

@@ -90,3 +90,42 @@ def test_flashinfer_seeded_row_is_independent_of_the_batch() -> None:
     from kiln.ops.flashinfer_sampling import draw_tokens
 
     check_seeded_row_is_independent(draw_tokens, torch.device("cuda"))
+
+
+def test_a_mixed_step_reading_more_than_16m_kv_tokens() -> None:
+    """130 requests of 131,072 tokens each read 17.0M KV tokens in one mixed step, past the 16M token index
+    FlashInfer's FA3 allocates. Each context is one 1,024-token cycle of 64 blocks repeated 128 times, so
+    its attention equals that over the cycle once (every key weighs as often), which the torch reference
+    computes."""
+    from kiln.ops.flashinfer_attention import FlashInferAttention
+
+    torch.manual_seed(0)
+    dev, D, H, n, repeats = torch.device("cuda"), 64, 4, 130, 128
+    cache = torch.randn(BLOCKS + 1, 2, BS, KVH, D, device=dev, dtype=torch.bfloat16)
+    cycle = np.arange(BLOCKS, dtype=np.int32)
+    width = BLOCKS * repeats
+    q, k, v = (torch.randn(n, h, D, device=dev, dtype=torch.bfloat16) for h in (H, KVH, KVH))
+    qsl = np.arange(n + 1, dtype=np.int32)
+
+    def meta(blocks: np.ndarray) -> tuple[AttnMetadata, StepLayout]:
+        table = np.tile(blocks, (n, 1))
+        seq = np.full(n, table.shape[1] * BS, dtype=np.int32)
+        m = AttnMetadata(
+            torch.full((n,), -1, dtype=torch.int64, device=dev),  # the new K/V go to the padding block
+            torch.from_numpy(qsl).to(dev),
+            torch.from_numpy(seq).to(dev),
+            torch.from_numpy(table).to(dev),
+            False,
+        )
+        return m, StepLayout(qsl, seq, table, False, False)
+
+    fi = FlashInferAttention(H, KVH, D, BS, torch.bfloat16, dev, width, D**-0.5, 0, 8)
+    long_meta, layout = meta(np.tile(cycle, repeats))
+    assert int(layout.seq_lens.sum()) > 16 * 2**20
+    fi.plan(layout)
+    got = fi.forward(q, k, v, cache, long_meta, D**-0.5, 0)
+    short_meta, _ = meta(cycle)
+    want = TORCH_ATTENTION.forward(q, k, v, cache.clone(), short_meta, D**-0.5, 0)
+    torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
+    if fi.fa3:
+        assert fi.prefill._vector_sparse_indices_buffer.numel() >= int(layout.seq_lens.sum())
