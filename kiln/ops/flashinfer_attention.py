@@ -153,7 +153,6 @@ class FlashInferAttention:
             )
             # FA3's 64 MiB page-to-token index is written and read within one run (one step at a time, as
             # the workspace): every wrapper shares the first one's rather than holding its own.
-            self._fit_token_index(batch * self.max_blocks_per_seq * self.block_size)
             wrapper._vector_sparse_indices_buffer = self.prefill._vector_sparse_indices_buffer
             self.graph_prefill[batch] = wrapper
         return self.graph_prefill[batch]
@@ -161,7 +160,8 @@ class FlashInferAttention:
     def _fit_token_index(self, tokens: int) -> None:
         """FA3 expands a step's pages into one index per KV token, in a buffer FlashInfer sizes for 16M. A
         mixed step can read more: 1,024 requests on one cached 16k-token prefix. It grows (past the memory
-        profile) rather than let the kernel write beyond it; a captured graph keeps the buffer it read."""
+        profile) rather than let the kernel write beyond it. (Deterministic mode's decode graphs keep the
+        16M one they captured.)"""
         if not self.fa3 or tokens <= (have := self.prefill._vector_sparse_indices_buffer).numel():
             return
         size = max(tokens, 2 * have.numel())

@@ -48,7 +48,7 @@ def workspace_bytes(
     need = 0
     if fa2_prefill:  # split at most into the CTAs of the GPU, with the largest query tile
         split_batch = CTAS_PER_SM * num_sms // num_kv_heads
-        need = _scratch(num_heads, split_batch, fa2_cta_tile_q(65, head_dim), head_dim)
+        need = _scratch(num_heads, split_batch, 128 if head_dim < 256 else 64, head_dim)
     if tensor_cores:
         need = max(need, graph_decode_scratch(num_heads, num_kv_heads, head_dim, num_sms, max_graph_batch))
     return max(FLOOR_BYTES, need + SLACK_BYTES)
