@@ -23,7 +23,7 @@ from kiln.engine.token_counts import TokenCounts
 from kiln.models.decoder import DecoderModel
 from kiln.ops.attention import AttnMetadata, StepLayout
 from kiln.ops.backend import TORCH_BACKEND, Backend
-from kiln.ops.sampler import Sampler, compute_logprobs
+from kiln.ops.sampler import Sampler, logprobs_in_chunks
 from kiln.ops.sampling_metadata import Penalties, SamplingMetadata
 from kiln.ops.transfer import to_device
 from kiln.platform import keep_freed_memory
@@ -293,15 +293,8 @@ class ModelRunner:
             end = min(start + new[i], r.num_prompt_tokens - 1)
             if end <= start:
                 continue
-            rows = hidden[cu[i] : cu[i] + end - start]
             targets = to_device(r.token_ids[start + 1 : end + 1], torch.int64, self.device)
-            # max_num_seqs rows at a time: their logits, log-softmax and comparison (9 bytes a vocabulary
-            # entry) stay below the sampler's largest draw, which the GPU memory profile sets aside. A
-            # 2,048-token chunk at once would take 2.8 GB at a vocabulary of 152k.
-            n = self.max_num_seqs
-            parts = [
-                compute_logprobs(self.model.compute_logits(rows[a : a + n]), targets[a : a + n], k)
-                for a in range(0, len(rows), n)
-            ]
-            out[r] = PromptLogprobs(start, *(torch.cat(p) for p in zip(*parts, strict=True)))
+            rows = hidden[cu[i] : cu[i] + end - start]
+            logprobs = logprobs_in_chunks(self.model.compute_logits, rows, targets, k, self.max_num_seqs)
+            out[r] = PromptLogprobs(start, *logprobs)
         return out
