@@ -193,43 +193,62 @@ class CompileCache:
         os.replace(tmp, dest)
 
     def import_file(self, src: Path) -> None:
-        """Installs an exported file as this key's entry, after checking it was built for the same key,
-        and its build caches under the root."""
-        try:
-            z = zipfile.ZipFile(src)
-            manifest = json.loads(z.read(MANIFEST))
-            blobs = {name: z.read(name) for name in manifest["files"]}
-        except FileNotFoundError:
-            raise CacheError(f"{src}: no such file") from None
-        except (zipfile.BadZipFile, KeyError, ValueError) as e:
-            raise CacheError(f"{src}: not a kiln compile cache export ({e})") from None
-        with z:
+        """Installs an exported file as this key's entry, after checking it was built for the same key.
+        Its build caches were unpacked before anything was built (import_builds)."""
+        with _open_export(src) as (z, manifest):
             if manifest.get("key") != self.key:
                 theirs = manifest.get("parts", {})
                 diff = sorted(k for k in set(theirs) | set(self.parts) if theirs.get(k) != self.parts.get(k))
                 raise CacheError(f"{src} was built for a different setup (differs in: {', '.join(diff)})")
+            blobs = {name: z.read(name) for name in manifest["files"]}
             for name, data in blobs.items():
                 if hashlib.sha256(data).hexdigest() != manifest["files"][name]["sha256"]:
                     raise CacheError(f"{src}: {name} does not match its checksum")
             with self.lock():
-                self._unpack_builds(z, [i for i in z.infolist() if i.filename.split("/")[0] in _BUILDS])
                 self._install(blobs, manifest.get("buckets", []))
 
-    def _unpack_builds(self, z: zipfile.ZipFile, infos: list[zipfile.ZipInfo]) -> None:
-        """Writes the export's build caches under the root with their recorded times: ninja rebuilds
-        whatever looks older than its sources. Each file is renamed into place: a library this process
-        has loaded already (kiln's CPU kernels) keeps its own copy, where writing over it would crash."""
-        root = self.root.resolve()
-        for info in infos:
-            if info.is_dir():
+
+@contextlib.contextmanager
+def _open_export(src: Path) -> Iterator[tuple[zipfile.ZipFile, dict[str, Any]]]:
+    try:
+        z = zipfile.ZipFile(src)
+        manifest = json.loads(z.read(MANIFEST))
+        missing = set(manifest["files"]) - set(z.namelist())
+    except FileNotFoundError:
+        raise CacheError(f"{src}: no such file") from None
+    except (zipfile.BadZipFile, KeyError, ValueError, TypeError) as e:
+        raise CacheError(f"{src}: not a kiln compile cache export ({e})") from None
+    with z:
+        if missing:
+            raise CacheError(f"{src}: not a kiln compile cache export (no {', '.join(sorted(missing))})")
+        try:
+            yield z, manifest
+        except zipfile.BadZipFile as e:  # a member's CRC, found on reading it
+            raise CacheError(f"{src} is damaged ({e})") from None
+
+
+def import_builds(src: Path, root: Path) -> None:
+    """Writes an export's build caches (FlashInfer's modules, Triton's kernels, kiln's CPU kernels) under
+    the root with their recorded times: ninja rebuilds whatever looks older than its sources. The engine
+    calls this before it builds any kernel, which would otherwise be built again here and only then
+    replaced. Each file is renamed into place: a library this process has loaded already (kiln's CPU
+    kernels, for a second engine in one process) keeps its own copy, where writing over it would crash."""
+    root = root.resolve()
+    with _open_export(src) as (z, _):
+        for info in z.infolist():
+            if info.is_dir() or info.filename.split("/")[0] not in _BUILDS:
                 continue
             dest = (root / info.filename).resolve()
             if not dest.is_relative_to(root):
                 raise CacheError(f"an export's file {info.filename!r} would land outside {root}")
             dest.parent.mkdir(parents=True, exist_ok=True)
             fd, tmp = tempfile.mkstemp(dir=dest.parent, prefix=".unpack-")
-            with os.fdopen(fd, "wb") as out:
-                out.write(z.read(info))
-            stamp = datetime.datetime(*info.date_time).timestamp()
-            os.utime(tmp, (stamp, stamp))
-            os.replace(tmp, dest)
+            try:
+                with os.fdopen(fd, "wb") as out:
+                    out.write(z.read(info))
+                stamp = datetime.datetime(*info.date_time).timestamp()
+                os.utime(tmp, (stamp, stamp))
+                os.replace(tmp, dest)
+            except BaseException:
+                Path(tmp).unlink(missing_ok=True)
+                raise

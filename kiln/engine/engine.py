@@ -12,7 +12,7 @@ import msgspec
 import torch
 
 from kiln.compile.buckets import BucketPlan
-from kiln.compile.cache import CompileCache, point_caches
+from kiln.compile.cache import CompileCache, import_builds, point_caches
 from kiln.compile.lowering import BucketReport
 from kiln.config import EngineConfig
 from kiln.engine.block_manager import BlockManager
@@ -67,8 +67,10 @@ class LLMEngine:
                 f"{dims.max_positions}"
             )
         # The kernels' part: choosing the backend loads kiln_cpu (built on first use), making the attention
-        # builds FlashInfer's modules (or finds them built).
+        # builds FlashInfer's modules (or finds them built, in the cache root or an imported export).
         start = time.perf_counter()
+        if config.compile.cache_file is not None:
+            import_builds(Path(config.compile.cache_file), cache_root())
         self.backend = choose_backend(
             b.kernels, b.attention, b.sampler, device, dims.head_dim, dtype, b.deterministic
         )

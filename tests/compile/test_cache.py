@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -15,7 +17,7 @@ from openai import OpenAI
 
 import kiln
 from kiln import LLM, SamplingParams
-from kiln.compile.cache import environment, source_hash
+from kiln.compile.cache import CacheError, environment, import_builds, source_hash
 from kiln.ops.cpu import native
 from kiln.paths import cache_root
 from tests.api.server import start_server
@@ -105,8 +107,12 @@ def test_second_start_recompiles_nothing_and_an_export_loads_elsewhere(
     assert [b["source"] for b in second["buckets"]] == ["precompiled", "precompiled", "shared"]
     assert "decode-1" in output and "total" in output
 
-    # Another machine with the same versions: an empty cache root and the exported file.
-    finish(warmup(tiny, tmp_path / "elsewhere", tmp_path / "third.json", "--import", str(exported)))
+    # Another machine with the same versions: an empty cache root and the exported file. The export's
+    # builds land before the engine needs one: kiln's CPU kernels load from it, not built again.
+    output = finish(warmup(tiny, tmp_path / "elsewhere", tmp_path / "third.json", "--import", str(exported)))
+    assert "building kiln's CPU kernels" not in output
+    kernels = native.folder().relative_to(cache_root()) / "kernels.so"
+    assert (tmp_path / "elsewhere" / kernels).read_bytes() == (cache / kernels).read_bytes()
     third = json.loads((tmp_path / "third.json").read_text())
     assert set(third["counters"].values()) == {0}
     assert [b["source"] for b in third["buckets"]] == ["precompiled", "precompiled", "shared"]
@@ -214,3 +220,27 @@ def test_cache_key_changes_with_any_kiln_source(source: str, tmp_path: Path) -> 
         with (root / source).open("a") as f:
             f.write("# an edit\n")
     assert source_hash(root) != source_hash()
+
+
+def export_file(path: Path, builds: dict[str, bytes]) -> Path:
+    with zipfile.ZipFile(path, "w") as z:  # stored, so a member's bytes can be flipped in place
+        z.writestr("manifest.json", json.dumps({"key": "k", "files": {}}))
+        for name, data in builds.items():
+            z.writestr(name, data)
+    return path
+
+
+def test_an_export_whose_build_is_damaged_or_escapes_the_root_is_refused(tmp_path: Path) -> None:
+    damaged = export_file(tmp_path / "damaged.kiln-cache", {"triton/k/k.cubin": b"cubin" * 100})
+    data = bytearray(damaged.read_bytes())
+    data[data.rindex(b"cubincubin") + 3] ^= 0xFF  # in the data, past the header's name
+    damaged.write_bytes(bytes(data))
+    with pytest.raises(CacheError, match=re.escape(f"{damaged} is damaged (Bad CRC-32")):
+        import_builds(damaged, tmp_path / "root")
+    assert not list((tmp_path / "root").rglob("k.cubin"))  # nor any half-written file under another name
+    assert [p.name for p in (tmp_path / "root" / "triton" / "k").iterdir()] == []
+
+    escaping = export_file(tmp_path / "escaping.kiln-cache", {"triton/../../evil.so": b"x"})
+    with pytest.raises(CacheError, match=re.escape("'triton/../../evil.so' would land outside")):
+        import_builds(escaping, tmp_path / "root")
+    assert not (tmp_path / "evil.so").exists()
