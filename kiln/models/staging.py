@@ -2,10 +2,13 @@
 the driver stages it through a buffer of its own, one blocking copy at a time (an 8B model's 15 GB loaded
 at 4 GB/s on the H100 machine). Here threads read each tensor's bytes from the file (pread, from the page
 cache) into a ring of pinned buffers, and a side stream copies each filled buffer to the device while the
-next ones are read."""
+next ones are read. A copy that converts (a float32 checkpoint served in 16 bits) lands each chunk in a
+device buffer and converts it there: torch would convert the whole tensor on the host first, then copy it
+pageable."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from collections import deque
@@ -44,10 +47,12 @@ class Stager:
         self.stream = torch.cuda.Stream(device) if cuda else None
         if self.stream is not None:
             self.stream.wait_stream(torch.cuda.current_stream(device))
+        self.device = device
+        self.landing: list[torch.Tensor] = []  # on the device, one per buffer: a converting copy's source
         # Each buffer's copy to the device, which must end before the buffer is read into again.
         self.copied: list[torch.cuda.Event | None] = [None] * buffers
-        # (buffer, its read, where it goes), in the order the buffers are taken
-        self.reads: deque[tuple[int, Future[int], torch.Tensor]] = deque()
+        # (buffer, its read, where it goes, the file's dtype), in the order the buffers are taken
+        self.reads: deque[tuple[int, Future[int], torch.Tensor, torch.dtype]] = deque()
         self.next = 0
         self.files: dict[Path, tuple[int, dict[str, int]]] = {}  # open file -> (fd, data_offsets)
         self.pool = ThreadPoolExecutor(threads, thread_name_prefix="kiln-weights")
@@ -68,33 +73,40 @@ class Stager:
                 os.close(fd)
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor, file: Path, name: str) -> None:
-        """dst <- src, the tensor `name` of the safetensors file `file`. A copy that converts or transposes
-        goes the plain way."""
-        if src.dtype != dst.dtype or not (src.is_contiguous() and dst.is_contiguous()):
+        """dst <- src, the tensor `name` of the safetensors file `file`, in chunks of whole elements. A copy
+        that transposes (GPT-2's weights) goes the plain way."""
+        if not (src.is_contiguous() and dst.is_contiguous()):
             dst.copy_(src)
             return
         if file not in self.files:
             self.files[file] = (os.open(file, os.O_RDONLY), data_offsets(file))
         fd, offsets = self.files[file]
         offset = offsets[name]
-        out = dst.view(-1).view(torch.uint8)
-        for start in range(0, out.numel(), self.chunk):
+        size = src.element_size()
+        step = self.chunk // size
+        if src.dtype != dst.dtype and not self.landing:
+            self.landing = [torch.empty_like(b, device=self.device) for b in self.buffers]
+        out = dst.view(-1)
+        for start in range(0, out.numel(), step):
             if len(self.reads) == len(self.buffers):
                 self._land(*self.reads.popleft())
             i, self.next = self.next, (self.next + 1) % len(self.buffers)
             if (event := self.copied[i]) is not None:
                 event.synchronize()
-            part = out[start : start + self.chunk]
-            read = self.pool.submit(os.preadv, fd, [self.arrays[i][: part.numel()]], offset + start)
-            self.reads.append((i, read, part))
+            part = out[start : start + step]
+            read = self.pool.submit(
+                os.preadv, fd, [self.arrays[i][: part.numel() * size]], offset + start * size
+            )
+            self.reads.append((i, read, part, src.dtype))
 
-    def _land(self, i: int, read: Future[int], part: torch.Tensor) -> None:
-        if (got := read.result()) != part.numel():
-            raise OSError(f"short read: {got} of {part.numel()} bytes")
-        src = self.buffers[i][: part.numel()]
-        if self.stream is None:
-            part.copy_(src)
-            return
-        with torch.cuda.stream(self.stream):
-            part.copy_(src, non_blocking=True)
-            self.copied[i] = self.stream.record_event()
+    def _land(self, i: int, read: Future[int], part: torch.Tensor, dtype: torch.dtype) -> None:
+        size = part.numel() * dtype.itemsize
+        if (got := read.result()) != size:
+            raise OSError(f"short read: {got} of {size} bytes")
+        src = self.buffers[i][:size]
+        with torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext():
+            if dtype != part.dtype:
+                src = self.landing[i][:size].copy_(src, non_blocking=True)
+            part.copy_(src.view(dtype), non_blocking=True)
+            if self.stream is not None:
+                self.copied[i] = self.stream.record_event()

@@ -43,17 +43,20 @@ def test_sharded_checkpoint_loads_all_shards(tmp_path: Path) -> None:
         assert torch.equal(a, b), name
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "mixtral", "qwen3_moe", "gpt2"])
 def test_weights_staged_in_chunks_equal_direct_copies(
-    tmp_path: Path, arch: str, caplog: pytest.LogCaptureFixture
+    tmp_path: Path, arch: str, dtype: str, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """The GPU's staged path (pread into a ring of buffers, then a copy) run on the CPU. Chunks of an odd
-    number of bytes split every tensor, and the ring of 3 buffers wraps many times. GPT-2's transposed
-    weights go the plain way."""
+    """The GPU's staged path (pread into a ring of buffers, then a copy) run on the CPU. Chunks of 1001
+    bytes (250 float32 elements) split every tensor, and the ring of 3 buffers wraps many times. Served in
+    bfloat16, each chunk of the float32 checkpoint converts on its way through the landing buffers. GPT-2's
+    transposed weights go the plain way."""
     build(arch, tmp_path)
-    direct = load_model(tmp_path, "float32")
+    direct = load_model(tmp_path, dtype)
     stager = Stager(torch.device("cpu"), chunk=1001, buffers=3, threads=2)
-    staged = load_model(tmp_path, "float32", stager=stager)
+    staged = load_model(tmp_path, dtype, stager=stager)
+    assert bool(stager.landing) == (dtype == "bfloat16")
     assert list(stager.files) == [tmp_path / "model.safetensors"]  # the staged path ran
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING]  # and did not fall back
     _assert_same_weights(direct, staged)
