@@ -80,12 +80,14 @@ def profile_memory(runner: ModelRunner, utilization: float, max_tokens: int, gra
     largest = Bucket("decode", sizes[-1])  # the largest CUDA graph, captured first
     # The graphs share one pool. Each later one reuses what the ones before it freed, but every graph keeps
     # its output (the step's hidden states) allocated there, for its replays to write. Outside the pool, they
-    # share one copy of the largest step's inputs (CudaGraphs._static): a full-width block table per row.
+    # share one copy of the largest step's inputs (CudaGraphs._static): per row, a full-width block table
+    # where the attention reads it.
     itemsize = (runner.model.kernels.activations or runner.dtype).itemsize
     outputs = sum(sizes[:-1]) * runner.model.dims.hidden_size * itemsize
     b = runner.buf
     per_row = (b.input_ids, b.positions, b.slot_mapping, b.query_start_loc, b.seq_lens)
-    inputs = sizes[-1] * (b.block_table[0].nbytes + sum(a.itemsize for a in per_row))
+    table = (b.block_table if runner.no_table is None else runner.no_table)[0].nbytes
+    inputs = sizes[-1] * (table + sum(a.itemsize for a in per_row))
     pool = _peak_of(lambda: runner.profile_step(largest), device) + outputs + inputs if graphs else 0
     runner.kv_caches = []
     torch.cuda.empty_cache()

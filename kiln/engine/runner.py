@@ -57,6 +57,10 @@ class ModelRunner:
         self.buf = StepBuffers(
             config.scheduler.max_num_batched_tokens, self.max_num_seqs, max_model_len, self.block_size
         )
+        # FlashInfer plans from the host's table: its kernels never read a device copy, so a fixed stand-in
+        # replaces one of every row's blocks each step (full width, in a CUDA graph).
+        stand_in = torch.zeros((self.max_num_seqs + 1, 2), dtype=torch.int32, device=self.device)
+        self.no_table = None if model.attention.reads_block_table else stand_in
         generator = torch.Generator(device=self.device).manual_seed(config.model.seed)
         self.sampler = Sampler(generator, *backend.sampler_ops())
         self.token_counts = TokenCounts(model.dims.vocab_size, self.device, self.max_num_seqs)
@@ -177,13 +181,11 @@ class ModelRunner:
             step.graph,
         )
         self.model.attention.plan(layout)
+        table = self._tensor(layout.block_table) if self.no_table is None else self.no_table[:num_reqs]
         meta = AttnMetadata(
-            slot_mapping=self._tensor(buf.slot_mapping[:num_tokens]),
-            query_start_loc=self._tensor(layout.query_start_loc),
-            seq_lens=self._tensor(layout.seq_lens),
-            block_table=self._tensor(layout.block_table),
-            decode_only=decode_only,
-        )
+            self._tensor(buf.slot_mapping[:num_tokens]), self._tensor(layout.query_start_loc),
+            self._tensor(layout.seq_lens), table, decode_only,
+        )  # fmt: skip
         ids, positions = self._tensor(buf.input_ids[:num_tokens]), self._tensor(buf.positions[:num_tokens])
         return num_tokens, (ids, positions, self.kv_caches, meta)
 
@@ -243,10 +245,8 @@ class ModelRunner:
 
     def _throwaway_sampler(self) -> Sampler:
         """The engine's sampler on its own generator: the engine's stream of draws is left as it was."""
-        s = self.sampler
-        return Sampler(
-            torch.Generator(device=self.device).manual_seed(0), s.prepare, s.draw, s.mask, s.argmax
-        )
+        s, generator = self.sampler, torch.Generator(device=self.device).manual_seed(0)
+        return Sampler(generator, s.prepare, s.draw, s.mask, s.argmax)
 
     @torch.inference_mode()
     def warm_sampler(self) -> None:

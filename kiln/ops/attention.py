@@ -83,10 +83,12 @@ class AttentionImpl(Protocol):
     that can't be traced is a custom op, so each layer stays one graph). `graph_id`: the number the compiled
     graphs name this instance by, where its op finds it by one (0 where they name none); the compile cache
     keys by it. `own_decode_graph`: forward traces decode-only steps differently, so mixed steps need a
-    graph of their own."""
+    graph of their own. `reads_block_table`: forward reads meta.block_table (where plan reads the host's
+    table instead, the runner passes a fixed two-column stand-in)."""
 
     graph_id: int
     own_decode_graph: bool
+    reads_block_table: bool
 
     def plan(self, layout: StepLayout) -> None: ...
 
@@ -107,6 +109,7 @@ class TorchAttention:
 
     graph_id = 0
     own_decode_graph = True
+    reads_block_table = True
 
     def plan(self, layout: StepLayout) -> None:
         pass

@@ -55,6 +55,7 @@ class FlashInferAttention:
     graph break left resume functions with static shapes, which recompiled for each new step size.)"""
 
     own_decode_graph = False  # the same op for every step; plan() tells decode from mixed
+    reads_block_table = False  # plan() gives the wrappers the step's pages
 
     def __init__(
         self,

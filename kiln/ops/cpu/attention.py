@@ -47,6 +47,7 @@ def from_standard(cache: torch.Tensor, pairs: bool) -> torch.Tensor:
 class CpuAttention:
     graph_id = 0
     own_decode_graph = False
+    reads_block_table = True
 
     def __init__(self, pairs: bool) -> None:
         self.pairs = pairs  # pair_layout(the cache's dtype, head_dim)
