@@ -86,6 +86,7 @@ class FlashInferAttention:
         )
         self.workspace = torch.zeros(size, dtype=torch.uint8, device=device)
         self.int_workspace = torch.zeros(INT_WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+        self.pinned_int_workspace = torch.empty(INT_WORKSPACE_BYTES, dtype=torch.uint8, pin_memory=True)
         self.prefill = self._wrapper(flashinfer.BatchPrefillWithPagedKVCacheWrapper)
         self.decode = self._wrapper(
             flashinfer.BatchDecodeWithPagedKVCacheWrapper, use_tensor_cores=self.tensor_cores
@@ -112,9 +113,12 @@ class FlashInferAttention:
         """Every wrapper, on the shared workspaces. A plan writes its schedule into the int workspace and the
         run it plans reads it, in stream order, one step after the other, as with the float workspace. The
         CUDA-graph wrappers are made during capture, after the KV cache took what the memory profile left:
-        8 MiB each of their own (up to 51 of them) would go over gpu_memory_utilization."""
+        8 MiB each of their own (up to 51 of them) would go over gpu_memory_utilization. The schedule is
+        staged in pinned host memory, also shared: the next plan, of whichever wrapper, waits for the last
+        one's copy out of it (plan()), and 8 MiB pinned per wrapper would hold 400 MiB of the host's RAM."""
         wrapper = cls(self.workspace, "NHD", **options)
         wrapper.reset_workspace_buffer(self.workspace, self.int_workspace)
+        wrapper._pin_memory_int_workspace_buffer = self.pinned_int_workspace
         return wrapper
 
     def _graph_indices(self, batch: int) -> torch.Tensor:

@@ -25,6 +25,10 @@ def test_cudagraph_replay_equals_eager_for_every_decode_bucket(head_dim: int, tm
     # FlashInfer's kernels read the pages plan() gave them: the graphs' table is a 2-column stand-in.
     width = 2 if head_dim == 128 else runner.buf.block_table.shape[1]
     assert {g.inputs[-1].shape[1] for g in graphs.captured.values()} == {width}
+    if head_dim == 128:  # and every wrapper stages its plans in one pinned buffer, which the replays reuse
+        a = runner.model.attention
+        staged = {w._pin_memory_int_workspace_buffer for w in [a.prefill, a.decode, *a.graph_decode.values()]}
+        assert {t.data_ptr() for t in staged} == {a.pinned_int_workspace.data_ptr()}
     rng = np.random.default_rng(0)
     for cache in runner.kv_caches:  # a random context for every block
         cache.copy_(torch.randn_like(cache, dtype=torch.float32))
