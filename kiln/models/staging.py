@@ -69,6 +69,7 @@ class Stager:
             self.pool.shutdown()  # the reads in flight end before their files close
             if self.stream is not None:
                 self.stream.synchronize()
+            self.landing = []  # 64 MiB of the device, for a Stager its caller keeps
             for fd, _ in self.files.values():
                 os.close(fd)
 

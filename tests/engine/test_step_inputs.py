@@ -6,7 +6,6 @@ from pathlib import Path
 
 import msgspec
 import numpy as np
-import pytest
 import torch
 
 from kiln.config import EngineConfig
@@ -42,34 +41,32 @@ def runner(path: Path, attention: AttentionImpl) -> ModelRunner:
     return r
 
 
-@pytest.mark.parametrize("q_lens", [[1, 1, 1, 1, 1], [5, 1, 9]], ids=["decode", "mixed"])
 @torch.inference_mode()
-def test_a_host_planned_attention_reads_no_device_table_and_matches(
-    tmp_path: Path, q_lens: list[int]
-) -> None:
+def test_a_host_planned_attention_reads_no_device_table_and_matches(tmp_path: Path) -> None:
     build("llama", tmp_path)
     reference, planned = runner(tmp_path, TORCH_ATTENTION), runner(tmp_path, HostPlanned())
     assert reference.no_table is None and planned.no_table is not None
     rng = np.random.default_rng(0)
-    contexts = rng.integers(10, 100, len(q_lens))
     for cache, other in zip(reference.kv_caches, planned.kv_caches, strict=True):
         cache.copy_(torch.randn_like(cache))
         other.copy_(cache)
-    tokens = rng.integers(0, 256, sum(q_lens))
-    outputs = []
-    for r in (reference, planned):
-        buf, cu = r.buf, np.cumsum([0, *q_lens])
-        buf.input_ids[: cu[-1]] = tokens
-        buf.positions[: cu[-1]] = np.concatenate(
-            [np.arange(c - q, c) for c, q in zip(contexts, q_lens, strict=True)]
-        )
-        buf.slot_mapping[: cu[-1]] = -1  # writes land in the padding block: the two caches stay alike
-        buf.query_start_loc[: len(q_lens) + 1] = cu
-        buf.seq_lens[: len(q_lens)] = contexts
-        for row in range(len(q_lens)):
-            buf.set_blocks(
-                row, np.random.default_rng(row).permutation(64)[: buf.block_table.shape[1]].tolist()
-            )
-        num_tokens, args = r.step_inputs(int(cu[-1]), len(q_lens), all(q == 1 for q in q_lens))
-        outputs.append(r.model(*args)[:num_tokens])
-    assert torch.equal(*outputs)
+    for q_lens in ([1, 1, 1, 1, 1], [5, 1, 9]):  # a decode step, a mixed one
+        contexts = rng.integers(10, 100, len(q_lens))
+        tokens = rng.integers(0, 256, sum(q_lens))
+        outputs = [step(r, q_lens, contexts, tokens) for r in (reference, planned)]
+        assert torch.equal(*outputs), q_lens
+
+
+def step(r: ModelRunner, q_lens: list[int], contexts: np.ndarray, tokens: np.ndarray) -> torch.Tensor:
+    buf, cu = r.buf, np.cumsum([0, *q_lens])
+    buf.input_ids[: cu[-1]] = tokens
+    buf.positions[: cu[-1]] = np.concatenate(
+        [np.arange(c - q, c) for c, q in zip(contexts, q_lens, strict=True)]
+    )
+    buf.slot_mapping[: cu[-1]] = -1  # writes land in the padding block: the two caches stay alike
+    buf.query_start_loc[: len(q_lens) + 1] = cu
+    buf.seq_lens[: len(q_lens)] = contexts
+    for row in range(len(q_lens)):
+        buf.set_blocks(row, np.random.default_rng(row).permutation(64)[: buf.block_table.shape[1]].tolist())
+    num_tokens, args = r.step_inputs(int(cu[-1]), len(q_lens), all(q == 1 for q in q_lens))
+    return r.model(*args)[:num_tokens]
