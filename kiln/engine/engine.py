@@ -46,6 +46,10 @@ class LLMEngine:
         path = resolve_model(config.model.model)
         device = resolve_device(config.model.device)
         if device.type == "cuda":
+            # Streams, events and Triton's launches follow the thread's current device: on cuda:1 they would
+            # otherwise run on cuda:0, and an event that means "step N's tokens landed" would not.
+            if device.index is not None:
+                torch.cuda.set_device(device)
             gpu = torch.cuda.get_device_properties(device)
             scheduler = config.scheduler.on("cuda", gpu.total_memory, gpu.name)
         else:

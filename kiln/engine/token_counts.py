@@ -39,8 +39,10 @@ class TokenCounts:
 
     def penalties(self, reqs: list[Request]) -> Penalties | None:
         """The step's penalties for the sampled reqs in order, or None when none uses one. Rows that use no
-        penalty read zeros (and are left out of update)."""
-        users = [i for i, r in enumerate(reqs) if r.params.uses_penalties]
+        penalty read zeros (and are left out of update), as do requests that finished since the step was
+        scheduled (async scheduling: a stop string found while landing the last step), whose tokens are
+        dropped."""
+        users = [i for i, r in enumerate(reqs) if r.params.uses_penalties and not r.finished]
         if not users:
             self._step = None
             return None

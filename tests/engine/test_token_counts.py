@@ -84,3 +84,18 @@ def test_warmups_penalties_have_the_layout_of_servings() -> None:
     assert serving is not None
     for name in ("prompt_mask", "output_counts"):
         assert getattr(warm, name).stride() == getattr(serving, name).stride() == (VOCAB, 1), name
+
+
+def test_a_sequence_that_finished_after_scheduling_gets_no_row_back() -> None:
+    """Under async scheduling a step may still hold a request that landing the last step finished: its row
+    is freed, not rebuilt from its whole history (nor taken from a preempted sequence) for a dropped token."""
+    counts = TokenCounts(VOCAB, CPU, max_seqs=2)
+    a, b = request("a", [1, 2], [3], PENALISED), request("b", [4], [5, 5], PENALISED)
+    sample(counts, [a, b], [6, 7])
+    a.status = Status.FINISHED
+    pen = counts.penalties([a, b])
+    assert pen is not None and list(counts.rows) == [b] and counts.free == [1]
+    assert not pen.output_counts[0].any()  # a reads the zero row
+    assert torch.equal(pen.output_counts[1], expected([b])[1][0])
+    counts.update(torch.tensor([9, 8]))
+    assert counts.counts[1, 9] == 0 and counts.counts[counts.rows[b], 8] == 1  # a's dropped token uncounted
