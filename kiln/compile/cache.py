@@ -34,10 +34,12 @@ log = logging.getLogger(__name__)
 ARTIFACTS = "artifacts.bin"
 MANIFEST = "manifest.json"
 GRAPH = "graph-{}.bin"
-# Build caches an export carries besides torch's artifacts: FlashInfer's JIT modules (with ninja's logs,
-# so a machine with the same paths finds them up to date), Triton's kernels launched outside Inductor, and
-# kiln's CPU kernels.
-_BUILDS = ("flashinfer", "triton", "cpu-kernels")
+# Build caches an export carries besides torch's artifacts, by folder and the files taken: FlashInfer's JIT
+# modules (with ninja's logs, so a machine with the same paths finds them up to date), Triton's kernels,
+# kiln's CPU kernels, and the libraries Inductor compiled its C++ kernels into (the artifacts hold only
+# their source; each is found by a hash of its source and compile command, so a machine with another
+# compiler or vector ISA builds its own).
+_BUILDS = {"flashinfer": "*", "triton": "*", "cpu-kernels": "*", "inductor": "*.so"}
 
 
 class CacheError(RuntimeError):
@@ -177,7 +179,7 @@ class CompileCache:
             raise
 
     def export(self, dest: Path) -> None:
-        """One portable file: the entry's manifest and artifacts, zipped."""
+        """One portable file: the entry's manifest and artifacts, and the root's build caches, zipped."""
         problem = self.check()
         if problem is not None:
             raise CacheError(f"no complete compile cache entry to export ({problem}); run kiln warmup first")
@@ -186,8 +188,8 @@ class CompileCache:
             z.write(self.dir / MANIFEST, MANIFEST)
             for name in json.loads((self.dir / MANIFEST).read_text())["files"]:
                 z.write(self.dir / name, name)
-            for build in _BUILDS:
-                for path in sorted((self.root / build).rglob("*")):
+            for build, pattern in _BUILDS.items():
+                for path in sorted((self.root / build).rglob(pattern)):
                     if path.is_file() and not path.is_symlink():
                         z.write(path, path.relative_to(self.root).as_posix())
         os.replace(tmp, dest)
@@ -228,11 +230,12 @@ def _open_export(src: Path) -> Iterator[tuple[zipfile.ZipFile, dict[str, Any]]]:
 
 
 def import_builds(src: Path, root: Path) -> None:
-    """Writes an export's build caches (FlashInfer's modules, Triton's kernels, kiln's CPU kernels) under
-    the root with their recorded times: ninja rebuilds whatever looks older than its sources. The engine
-    calls this before it builds any kernel, which would otherwise be built again here and only then
-    replaced. Each file is renamed into place: a library this process has loaded already (kiln's CPU
-    kernels, for a second engine in one process) keeps its own copy, where writing over it would crash."""
+    """Writes an export's build caches (FlashInfer's modules, Triton's kernels, kiln's CPU kernels,
+    Inductor's C++ libraries) under the root with their recorded times: ninja rebuilds whatever looks older
+    than its sources. The engine calls this before it builds any kernel, which would otherwise be built
+    again here and only then replaced. Each file is renamed into place: a library this process has loaded
+    already (kiln's CPU kernels, for a second engine in one process) keeps its own copy, where writing over
+    it would crash."""
     root = root.resolve()
     with _open_export(src) as (z, _):
         for info in z.infolist():

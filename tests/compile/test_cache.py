@@ -113,6 +113,14 @@ def test_second_start_recompiles_nothing_and_an_export_loads_elsewhere(
     assert "building kiln's CPU kernels" not in output
     kernels = native.folder().relative_to(cache_root()) / "kernels.so"
     assert (tmp_path / "elsewhere" / kernels).read_bytes() == (cache / kernels).read_bytes()
+    # Nor does Inductor compile its C++ kernels again: it finds the export's libraries, named by their hash.
+    libraries = {p.relative_to(cache): p.stat().st_mtime for p in (cache / "inductor").rglob("*.so")}
+    there = {
+        p.relative_to(tmp_path / "elsewhere"): p.stat().st_mtime
+        for p in (tmp_path / "elsewhere" / "inductor").rglob("*.so")
+    }
+    assert len(libraries) == 2 and there.keys() == libraries.keys()
+    assert all(abs(there[p] - libraries[p]) <= 2 for p in libraries)  # the export's files, not new builds
     third = json.loads((tmp_path / "third.json").read_text())
     assert set(third["counters"].values()) == {0}
     assert [b["source"] for b in third["buckets"]] == ["precompiled", "precompiled", "shared"]
