@@ -17,10 +17,11 @@ from dataclasses import dataclass
 import torch
 
 from kiln.ops import activation, moe, norm, rotary, sampler
-from kiln.ops.attention import TORCH_ATTENTION, AttentionHeads, AttentionImpl, table_width
+from kiln.ops.attention import AttentionHeads, AttentionImpl, table_width
 from kiln.ops.cpu import native as cpu_native
 from kiln.ops.matmul import CpuMatmul, Matmul, TorchMatmul
 from kiln.ops.sampler import Argmax, Draw, Mask, Prepare
+from kiln.ops.torch_attention import TORCH_ATTENTION
 from kiln.platform import native_matmul_dtypes
 
 log = logging.getLogger(__name__)

@@ -11,7 +11,8 @@ import torch
 from kiln.config import EngineConfig
 from kiln.engine.runner import ModelRunner
 from kiln.models.loader import load_model
-from kiln.ops.attention import TORCH_ATTENTION, AttentionImpl, AttnMetadata, StepLayout, TorchAttention
+from kiln.ops.attention import AttentionImpl, AttnMetadata, StepLayout
+from kiln.ops.torch_attention import TORCH_ATTENTION, TorchAttention
 from tests.models.tiny import build
 
 

@@ -4,7 +4,8 @@ import numpy as np
 import pytest
 import torch
 
-from kiln.ops.attention import TORCH_ATTENTION, AttnMetadata, StepLayout
+from kiln.ops.attention import AttnMetadata, StepLayout
+from kiln.ops.torch_attention import TORCH_ATTENTION
 from tests.sampling_expectation import CASES, check_distribution, check_seeded_row_is_independent
 
 BS, KVH, BLOCKS = 16, 2, 64

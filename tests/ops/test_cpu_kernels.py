@@ -6,7 +6,6 @@ import pytest
 import torch
 
 from kiln.ops.activation import silu_and_mul
-from kiln.ops.attention import attention as reference_attention
 from kiln.ops.cpu import moe as cpu_moe
 from kiln.ops.cpu import native
 from kiln.ops.cpu import rotary as cpu_rotary
@@ -14,6 +13,7 @@ from kiln.ops.cpu.attention import from_standard, pair_layout, write_kv
 from kiln.ops.matmul import CpuMatmul
 from kiln.ops.moe import moe_experts, route
 from kiln.ops.rotary import apply_rotary, rope_cos_sin, rope_inv_freq
+from kiln.ops.torch_attention import attention as reference_attention
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -217,7 +217,7 @@ def test_long_prefill_rows_do_not_depend_on_chunking(block: int) -> None:
 def test_cpu_cache_writes_are_the_kernels_layout(dtype: torch.dtype) -> None:
     """The CPU writer puts K/V where the usual writer would, in the kernel's layout; padding slots (-1)
     write nothing."""
-    from kiln.ops.attention import write_kv as standard_write
+    from kiln.ops.torch_attention import write_kv as standard_write
 
     torch.manual_seed(0)
     blocks, bs, kv_heads, dim = 5, 16, 3, 20

@@ -8,10 +8,11 @@ from transformers.models.gptj.modeling_gptj import create_sinusoidal_positions
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb as llama_rotary
 
-from kiln.ops.attention import StepLayout, attention
+from kiln.ops.attention import StepLayout
 from kiln.ops.moe import moe_experts, route
 from kiln.ops.norm import rms_norm
 from kiln.ops.rotary import apply_rotary, rope_cos_sin, rope_inv_freq
+from kiln.ops.torch_attention import attention
 
 torch.manual_seed(0)
 

@@ -10,10 +10,10 @@ pytest.importorskip("triton", reason="Triton is not installed (pip install trito
 
 from kiln import LLM
 from kiln.ops import activation, moe, norm, rotary
-from kiln.ops.attention import write_kv as torch_write_kv
 from kiln.ops.backend import TORCH_BACKEND
 from kiln.ops.sampler import prepare_logits
 from kiln.ops.sampling_metadata import Penalties, SamplingMetadata
+from kiln.ops.torch_attention import write_kv as torch_write_kv
 from kiln.ops.triton import activation as t_activation
 from kiln.ops.triton import moe as t_moe
 from kiln.ops.triton import norm as t_norm

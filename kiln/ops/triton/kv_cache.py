@@ -20,7 +20,7 @@ def _write_kv(k_ptr, v_ptr, cache_ptr, slot_ptr, k_row, v_row, block_size, width
 
 @op("kiln::write_kv", mutates_args=("kv_cache",))
 def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """kiln.ops.attention.write_kv, except that padding slots (-1) write nothing at all.
+    """kiln.ops.torch_attention.write_kv, except that padding slots (-1) write nothing at all.
     k/v [T, KVH, D] may be views of the fused qkv output; kv_cache [N, 2, block_size, KVH, D]."""
     width = k.shape[1] * k.shape[2]
     assert k.stride(1) == k.shape[2] and v.stride(1) == v.shape[2], "K/V heads must be contiguous"
