@@ -15,10 +15,11 @@
 # `git archive REV kiln`) reruns the phases kiln-only on that tree, then on this one again, on the same
 # random models (gpu_bench.base.json, gpu_bench.again.json).
 # Budget: a session gets 15 minutes of device time in all, a bare machine's start included, and a call
-# at most 10. With .gpu/cache empty, FlashInfer's cold build takes 100-176 s of the first call (the
-# prebuild gets TOTAL - 300 s): give that call TOTAL >= 500 and PACK=flashinfer, and return its parts to
-# .gpu/cache, so later calls and sessions skip it. BENCH_S only lowers the benchmark's share (what is left,
-# less 30 s).
+# at most 10. FlashInfer's modules come built for Hopper in .gpu/site.tar.xz (gpu_prepare.sh builds them
+# with no GPU); the prebuild loads each and removes any that fails, which FlashInfer then builds here.
+# Without them, FlashInfer's cold build takes 100-176 s of the first call (the prebuild gets TOTAL - 300
+# s): give that call TOTAL >= 500 and PACK=flashinfer, and return its parts to .gpu/cache. BENCH_S only
+# lowers the benchmark's share (what is left, less 30 s).
 # BENCHMARKS.md's GPU numbers came from runs of this script.
 set -u
 T0=$(date +%s); TOTAL=${1:-560}; TESTS=${2-all}; PHASES=${3:-}; shift 3 2>/dev/null; BENCH_ARGS=("$@")
@@ -48,7 +49,7 @@ python3 -X importtime -c "import kiln.api.server, kiln.engine.engine, flashinfer
 echo "== slowest imports (cumulative us):"; sort -t'|' -k2 -n $L/importtime.log | tail -6 | cut -c1-120
 python3 -c "import time, torch; c = time.time(); torch.zeros(1, device='cuda'); print('== CUDA start-up %.2f s' % (time.time() - c))"
 # With no test to run, only the benchmark's modules.
-timeout $(( $(left) - 300 > 60 ? $(left) - 300 : 60 )) python3 perf/gpu_prebuild.py $([ -z "$TESTS" ] && echo --bench) > $L/prebuild.log 2>&1; echo "== prebuild rc=$? ($(( $(date +%s) - T0 )) s)"; grep -E "prebuild:|rror" $L/prebuild.log | head -5
+timeout $(( $(left) - 300 > 60 ? $(left) - 300 : 60 )) python3 perf/gpu_prebuild.py --check $([ -z "$TESTS" ] && echo --bench) > $L/prebuild.log 2>&1; echo "== prebuild rc=$? ($(( $(date +%s) - T0 )) s)"; grep -E "prebuild:|rror" $L/prebuild.log | head -5
 [ "$TESTS" = all ] && TESTS=$(ls tests/gpu/test_*.py)
 run_tests() {
 for f in "$@"; do

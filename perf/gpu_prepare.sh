@@ -5,6 +5,7 @@
 #   triton 3.6, transformers 5.17, numpy, httpx, pyyaml, ...), installed for its Python 3.12 and packed as
 #   one solid archive. transformers >= 5.23 (pyproject's floor) is a 13 MB wheel and 3.7 MB in it, which
 #   keeps .gpu/ under the 64 MiB a run may carry beside the compile cache.
+#   With AOT_PYTHON set, it also holds FlashInfer's modules built for Hopper (below).
 # .gpu/default: the default model's tokenizer files, converted here if need be (test_structured reads only
 #   them; its 94 MB GGUF cannot travel).
 # .gpu/cache/: the cache parts (kc.*) the last run returned go here.
@@ -24,6 +25,24 @@ pkgs=(
   --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
   --target "$stage" "${pkgs[@]}"
 rm -rf "$stage/bin"
+# FlashInfer's modules, built here with no GPU for Hopper (sm_90a) by CUDA 13.0's nvcc (the image's), into
+# the site's AOT folder: the GPU machine loads them and builds nothing, where its cold build took 100-176 s
+# of a 900 s lease (all 13 took 30 min here on 2 cores; 2.3 MB more in the archive). AOT_PYTHON: a Python
+# 3.12 (the image's; tvm-ffi's extension is built for it) with what flashinfer imports: torch, numpy,
+# packaging, requests, einops, click, tabulate, tqdm, nvidia-ml-py.
+if [ -n "${AOT_PYTHON:-}" ]; then
+  cuda=$(mktemp -d); trap 'rm -rf "$stage" "$cuda"' EXIT
+  "$PY" -m pip download -q --no-deps -d "$cuda/whl" "nvidia-cuda-nvcc==13.0.*" "nvidia-cuda-runtime==13.0.*" \
+    "nvidia-cuda-cccl==13.0.*" "nvidia-nvvm==13.0.*" "nvidia-cuda-crt==13.0.*" "nvidia-curand==10.4.0.*"
+  for w in "$cuda"/whl/*.whl; do "$PY" -m zipfile -e "$w" "$cuda"; done
+  home=$cuda/nvidia/cu13; chmod +x "$home"/bin/* "$home"/nvvm/bin/*
+  ln -s lib "$home/lib64" && ln -s libcudart.so.13 "$home/lib/libcudart.so" && mkdir "$home/lib/stubs"
+  # FlashInfer links -lcuda: an empty stand-in, as the driver's own libcuda.so.1 resolves it at load.
+  echo > "$cuda/stub.c" && cc -shared -fPIC -Wl,-soname,libcuda.so.1 -o "$home/lib/stubs/libcuda.so" "$cuda/stub.c"
+  CUDA_HOME=$home PYTHONPATH=$stage:$PWD "$AOT_PYTHON" perf/gpu_prebuild.py --aot 9.0a
+else
+  echo "AOT_PYTHON unset: FlashInfer's modules will be built on the GPU machine"
+fi
 tar -C "$stage" -cf - . | xz -9 -T0 > .gpu/site.tar.xz
 rm -rf .gpu/whl  # replaced by site.tar.xz
 models=$("$PY" -c "from kiln.models.convert import default_model_dir; print(default_model_dir())")

@@ -78,7 +78,8 @@ class FlashInferAttention:
         self.max_blocks_per_seq = max_blocks_per_seq
         # Tensor-core decode is faster once several query heads share a KV head (FlashInfer's advice).
         self.tensor_cores = num_heads // num_kv_heads >= 4
-        fa2_prefill = prefill_backend(dtype, device) != "fa3"
+        prefill = prefill_backend(dtype, device)
+        fa2_prefill = prefill != "fa3"
         self.fa3 = not fa2_prefill
         sms = torch.cuda.get_device_properties(device).multi_processor_count
         size = workspace_bytes(
@@ -94,7 +95,7 @@ class FlashInferAttention:
         self.graph_decode: dict[int, flashinfer.BatchDecodeWithPagedKVCacheWrapper] = {}
         self.graph_prefill: dict[int, flashinfer.BatchPrefillWithPagedKVCacheWrapper] = {}
         self._indices: torch.Tensor | None = None
-        build_kernels(head_dim, dtype, device, sliding_window > 0, self.tensor_cores)
+        build_kernels(head_dim, dtype, prefill, sliding_window > 0, self.tensor_cores)
         if deterministic and fa2_prefill:
             log.warning(
                 "deterministic: FlashInfer prefills with FA2 on this GPU, whose query tile follows the "
@@ -251,15 +252,15 @@ def _(q, k, v, kv_cache, slot_mapping, backend_id):
 
 
 def kernel_specs(
-    head_dim: int, dtype: torch.dtype, device: torch.device, sliding_window: bool, tensor_cores: bool
+    head_dim: int, dtype: torch.dtype, prefill: str, sliding_window: bool, tensor_cores: bool
 ) -> list:
-    """FlashInfer's JitSpecs for every module this attention's steps load (decode, prefill, paging) and
-    sampling: the same arguments the wrappers' plan() passes, so the same names and build folders."""
+    """FlashInfer's JitSpecs for every module this attention's steps load (decode, prefill by the
+    `prefill` backend, paging) and sampling: the same arguments the wrappers' plan() passes, so the same
+    names and build folders."""
     from flashinfer.jit import gen_batch_decode_module, gen_batch_prefill_module
     from flashinfer.jit.page import gen_page_module
     from flashinfer.jit.sampling import gen_sampling_module
 
-    prefill = prefill_backend(dtype, device)
     common = (dtype, dtype, dtype, torch.int32, head_dim, head_dim, 0, sliding_window, False)
     decode = (
         gen_batch_prefill_module("fa2", *common, False) if tensor_cores else gen_batch_decode_module(*common)
@@ -280,13 +281,13 @@ def prefill_backend(dtype: torch.dtype, device: torch.device) -> str:
 
 
 def build_kernels(
-    head_dim: int, dtype: torch.dtype, device: torch.device, sliding_window: bool, tensor_cores: bool
+    head_dim: int, dtype: torch.dtype, prefill: str, sliding_window: bool, tensor_cores: bool
 ) -> None:
     """Builds every module kernel_specs lists in one parallel ninja run, instead of one nvcc build after
     another on first use. Once built, ninja finds them up to date and this takes well under a second."""
     from flashinfer.jit import build_jit_specs
 
-    specs = kernel_specs(head_dim, dtype, device, sliding_window, tensor_cores)
+    specs = kernel_specs(head_dim, dtype, prefill, sliding_window, tensor_cores)
     clock = time.perf_counter()
     build_jit_specs(list({spec.name: spec for spec in specs}.values()))
     log.info(
