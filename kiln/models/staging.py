@@ -86,7 +86,8 @@ class Stager:
         size = src.element_size()
         step = self.chunk // size
         if src.dtype != dst.dtype and not self.landing:
-            self.landing = [torch.empty_like(b, device=self.device) for b in self.buffers]
+            with self._side():  # the side stream alone uses them: the allocator pairs them with it
+                self.landing = [torch.empty_like(b, device=self.device) for b in self.buffers]
         out = dst.view(-1)
         for start in range(0, out.numel(), step):
             if len(self.reads) == len(self.buffers):
@@ -100,12 +101,15 @@ class Stager:
             )
             self.reads.append((i, read, part, src.dtype))
 
+    def _side(self) -> contextlib.AbstractContextManager:
+        return torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
+
     def _land(self, i: int, read: Future[int], part: torch.Tensor, dtype: torch.dtype) -> None:
         size = part.numel() * dtype.itemsize
         if (got := read.result()) != size:
             raise OSError(f"short read: {got} of {size} bytes")
         src = self.buffers[i][:size]
-        with torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext():
+        with self._side():
             if dtype != part.dtype:
                 src = self.landing[i][:size].copy_(src, non_blocking=True)
             part.copy_(src.view(dtype), non_blocking=True)
