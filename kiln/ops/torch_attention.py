@@ -1,4 +1,5 @@
-"""The reference attention backend: runs on any device, and traces into the compiled layer graphs."""
+"""TorchAttention and what it runs: write_kv, the kiln::attention op for mixed steps, and paged_decode for
+decode-only steps (traced into the layer graphs)."""
 
 import functools
 import itertools
