@@ -6,9 +6,9 @@ one invocation share the random model folders):
   it achieves, (weight bytes + KV bytes read per step) x steps/s, as a fraction of copy's; then the decode
   graph's replays under the torch profiler: how many kernels a step runs, and the longest;
 - throughput: nano-vllm's workload (256 sequences, input and output lengths uniform in [100, 1024],
-  ignore_eos) on a Qwen3-0.6B-shaped model; then the workload again step by step, with 50 steps of a
-  nearly full decode batch under the torch profiler: the GPU's busy share of their wall time, and the
-  kernels that fill it;
+  ignore_eos) on a Qwen3-0.6B-shaped model; then the workload again step by step, with its first 8
+  (chunked prefill) steps and 50 steps of a nearly full decode batch under the torch profiler: the GPU's
+  busy share of their wall time, and the kernels that fill it;
 - startup: `kiln serve` on the Llama-3-8B shape, time to ready cold (an empty KILN_CACHE_DIR) and warm
   (the cache the cold start left), each with its first request's TTFT; then a warm `kiln warmup` under
   cProfile (OUT.warmup.prof, and its top functions in OUT.warmup.txt);
@@ -246,14 +246,18 @@ def log_kernels(what: str, k: dict) -> None:
 def decode_breakdown(
     engine: LLMEngine, work: list[tuple[list[int], int]], params: list[SamplingParams], result: dict
 ) -> None:
-    """The workload again, step by step: after 100 steps (every prompt prefilled, no request finished),
-    50 steps run under the torch profiler (a few requests finish in them). What their wall time has beyond
-    the GPU's busy time is where the GPU waited for the host; the kernels by total time say what a step's
-    GPU time is spent on."""
+    """The workload again, step by step, under the torch profiler: its first 8 steps (chunked prefill, each
+    max_num_batched_tokens), then, after 100 steps (every prompt prefilled, no request finished), 50 decode
+    steps (a few requests finish in them). What their wall time has beyond the GPU's busy time is where the
+    GPU waited for the host (in the prefills, FlashInfer's FA3 plan copies from pageable memory, which the
+    driver may stage by synchronizing the stream); the kernels by total time say what a step's GPU time is
+    spent on."""
     ids = [f"breakdown-{i}" for i in range(len(work))]
     for rid, (prompt, _), p in zip(ids, work, params, strict=True):
         engine.add_request(rid, prompt, p)
-    for _ in range(100):
+    k = result["prefill_breakdown"] = device_kernels(lambda: engine.step(final_only=True), 8)
+    log_kernels("kiln's first 8 steps (chunked prefill)", k)
+    for _ in range(100 - 8):
         engine.step(final_only=True)
     batch = len(engine.scheduler.running)
     k = result["throughput_breakdown"] = {
