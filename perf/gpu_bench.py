@@ -524,14 +524,22 @@ def main() -> None:
         if "batch1" in args.phases or "startup" in args.phases:
             random_model("LlamaConfig", LLAMA3_8B, llama)  # the folder; each phase loads what it runs
         for phase in args.phases:
-            if phase == "batch1":
-                batch1_phase(llama, result, phase in skip_hf)
-            elif phase == "throughput":
-                throughput_phase(models / "qwen3-0.6b", result, phase in skip_hf)
-            elif phase == "startup":
-                startup_phase(llama, Path(tmp) / "kiln-cache", args.out, result, phase in skip_hf)
+            # A phase that fails leaves the next ones their run: a device lease has room for one call.
+            try:
+                if phase == "batch1":
+                    batch1_phase(llama, result, phase in skip_hf)
+                elif phase == "throughput":
+                    throughput_phase(models / "qwen3-0.6b", result, phase in skip_hf)
+                elif phase == "startup":
+                    startup_phase(llama, Path(tmp) / "kiln-cache", args.out, result, phase in skip_hf)
+            except Exception as e:
+                log.exception("phase %s failed", phase)
+                result.setdefault("failed", {})[phase] = f"{type(e).__name__}: {e}"
+            free_gpu()  # out of the except block, whose traceback holds the phase's engine
             save(result)
     log.info("results: %s\n%s", args.out, json.dumps(result, indent=2))
+    if "failed" in result:
+        sys.exit(f"failed phases: {', '.join(result['failed'])}")
 
 
 if __name__ == "__main__":
