@@ -48,9 +48,11 @@ python3 -c "import torch,triton,flashinfer,transformers;print('torch',torch.__ve
 python3 -X importtime -c "import kiln.api.server, kiln.engine.engine, flashinfer" 2> $L/importtime.log
 echo "== slowest imports (cumulative us):"; sort -t'|' -k2 -n $L/importtime.log | tail -6 | cut -c1-120
 python3 -c "import time, torch; c = time.time(); torch.zeros(1, device='cuda'); print('== CUDA start-up %.2f s' % (time.time() - c))"
-# With no test to run, only the benchmark's modules.
-timeout $(( $(left) - 300 > 60 ? $(left) - 300 : 60 )) python3 perf/gpu_prebuild.py --check $([ -z "$TESTS" ] && echo --bench) > $L/prebuild.log 2>&1; echo "== prebuild rc=$? ($(( $(date +%s) - T0 )) s)"; grep -E "prebuild:|rror" $L/prebuild.log | head -5
 [ "$TESTS" = all ] && TESTS=$(ls tests/gpu/test_*.py)
+# With no test to run, only the benchmark's modules; kiln's CPU kernels only for test_end_to_end's reference.
+PRE=(); [ -z "$TESTS${LATE_TESTS:-}" ] && PRE+=(--bench)
+[[ "$TESTS ${LATE_TESTS:-}" == *test_end_to_end* ]] && PRE+=(--cpu-kernels)
+timeout $(( $(left) - 300 > 60 ? $(left) - 300 : 60 )) python3 perf/gpu_prebuild.py --check ${PRE[@]+"${PRE[@]}"} > $L/prebuild.log 2>&1; echo "== prebuild rc=$? ($(( $(date +%s) - T0 )) s)"; grep -E "prebuild:|rror" $L/prebuild.log | head -5
 run_tests() {
 for f in "$@"; do
   n=$(basename "${f%%,*}" .py); lim=$(( $(left) - 40 )); [ $lim -lt 30 ] && { echo "== $f skipped: out of time"; continue; }

@@ -1,6 +1,7 @@
 """Builds, in one parallel ninja run, every FlashInfer module the GPU tests and benchmark load; then kiln's
-CPU kernels. `--bench` builds only what perf/gpu_bench.py loads (5 modules, no CPU kernels): a run that
-only benchmarks spends its device time on the benchmark (all 13 took 176 s on an H100 machine).
+CPU kernels with `--cpu-kernels` (test_end_to_end's CPU reference loads them). `--bench` builds only what
+perf/gpu_bench.py loads (5 modules): a run that only benchmarks spends its device time on the benchmark (all
+13 took 176 s on an H100 machine).
 
 `--aot 9.0a` builds them with no GPU, for that architecture (Hopper), into FlashInfer's AOT folder of the
 flashinfer package it imports: perf/gpu_prepare.sh does this on a CPU machine with CUDA's nvcc, so the GPU
@@ -19,6 +20,7 @@ parser = argparse.ArgumentParser()
 parser.add_argument("--bench", action="store_true", help="only gpu_bench's modules")
 parser.add_argument("--aot", metavar="ARCH", help="build for this arch, with no GPU")
 parser.add_argument("--check", action="store_true", help="load the AOT modules; remove those that fail")
+parser.add_argument("--cpu-kernels", action="store_true", help="then build kiln's CPU kernels")
 args = parser.parse_args()
 if args.aot:
     # Read when flashinfer is imported; the builds go to a scratch workspace, only the libraries are kept.
@@ -79,7 +81,7 @@ if args.aot:
     aot_arch.write_text(args.aot)
     shutil.rmtree(os.environ["FLASHINFER_WORKSPACE_BASE"])
     print(f"prebuild: {len(specs)} modules for {args.aot} in {jit_env.FLASHINFER_AOT_DIR}", flush=True)
-elif not args.bench:
+elif args.cpu_kernels:
     from kiln.ops.cpu import native
 
     # kiln's CPU kernels, which test_end_to_end's CPU reference loads: built once here, not by each of its
