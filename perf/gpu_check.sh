@@ -7,7 +7,8 @@
 # runs tests/gpu file by file, then perf/gpu_bench.py's phases, and packs logs and the cache (object files
 # emptied, mtimes kept, so ninja finds them up to date) under $OUT.
 # Files joined by commas run in one pytest process (one import of torch and kiln, not one a file).
-# Env: E2E_S and BENCH_S cap test_end_to_end and the benchmark; LATE_TESTS run after the benchmark; NOPACK=1
+# Env: E2E_S and BENCH_S cap test_end_to_end and the benchmark; LATE_TESTS run after the benchmark (so a
+# one-call lease measures first; the prebuild checks their modules too); NOPACK=1
 # skips packing the cache (gzipped, its inductor part outgrew what a run may return once the 8B shape was
 # compiled); PACK="flashinfer" packs only those folders of it (FlashInfer's builds, object files emptied:
 # the next run skips their 100-176 s cold build, even in a later session where .gpu/ persists); PYTEST_K
