@@ -207,7 +207,7 @@ def kiln_throughput(path: Path, work: list[tuple[list[int], int]], result: dict)
     clock = time.perf_counter()
     out = llm.generate([p for p, _ in work], params, use_tqdm=True)
     seconds = time.perf_counter() - clock
-    decode_breakdown(llm.engine, work, params, result)
+    step_breakdown(llm.engine, work, params, result)
     return sum(len(o.outputs[0].token_ids) for o in out) / seconds
 
 
@@ -243,7 +243,7 @@ def log_kernels(what: str, k: dict) -> None:
     )  # fmt: skip
 
 
-def decode_breakdown(
+def step_breakdown(
     engine: LLMEngine, work: list[tuple[list[int], int]], params: list[SamplingParams], result: dict
 ) -> None:
     """The workload again, step by step, under the torch profiler: its first 8 steps (chunked prefill, each
