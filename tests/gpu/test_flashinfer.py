@@ -133,11 +133,18 @@ def test_a_mixed_step_reading_more_than_16m_kv_tokens() -> None:
 
 
 @pytest.mark.parametrize(
-    ("q_lens", "decode_only", "graph"),
-    [([33, 1, 1], False, False), ([1, 1, 1], True, False), ([1, 1, 1], True, True)],
-    ids=["mixed", "decode", "graph-decode"],
+    ("q_lens", "decode_only", "graph", "deterministic"),
+    [
+        ([33, 1, 1], False, False, False),
+        ([1, 1, 1], True, False, False),
+        ([1, 1, 1], True, True, False),
+        ([1, 1, 1], True, True, True),  # the prefill kernel's graph wrapper (FA3 on Hopper)
+    ],
+    ids=["mixed", "decode", "graph-decode", "deterministic-graph-decode"],
 )
-def test_plan_returns_while_the_last_step_runs(q_lens: list[int], decode_only: bool, graph: bool) -> None:
+def test_plan_returns_while_the_last_step_runs(
+    q_lens: list[int], decode_only: bool, graph: bool, deterministic: bool
+) -> None:
     """Async scheduling plans a step while the last one runs on the device. A copy from pageable host memory
     may make the driver wait for the stream (FA3's plan makes one; decode's non-graph plan another), which
     torch's sync debug mode does not see: here the stream is still busy with a long sleep after plan()
@@ -148,7 +155,9 @@ def test_plan_returns_while_the_last_step_runs(q_lens: list[int], decode_only: b
     seq = np.array([48 + q_lens[0], 21, 8], dtype=np.int32)
     table = np.random.default_rng(0).permutation(BLOCKS)[:18].reshape(3, 6).astype(np.int32)  # 96 tokens
     qsl = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
-    fi = FlashInferAttention(H, KVH, D, BS, torch.bfloat16, dev, table.shape[1], D**-0.5, 0, len(seq))
+    fi = FlashInferAttention(
+        H, KVH, D, BS, torch.bfloat16, dev, table.shape[1], D**-0.5, 0, len(seq), deterministic
+    )
     layout = StepLayout(qsl, seq, table, decode_only, graph)
     fi.plan(layout)  # the first plan of a kind loads its module
     torch.cuda.synchronize()
