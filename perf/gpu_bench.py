@@ -111,7 +111,12 @@ def random_model(config_cls: str, dims: dict, path: Path, device: str = "cuda") 
     free_gpu()
 
 
-def hf_model(path: Path) -> torch.nn.Module:
+def hf_model(path: Path, meta: bool = False) -> torch.nn.Module:
+    """transformers' model of the folder on the GPU; meta: its shapes alone (no weights read), for sizes."""
+    if meta:
+        config = transformers.AutoConfig.from_pretrained(path)
+        with torch.device("meta"):
+            return transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, device_map="cuda")
 
 
@@ -382,7 +387,7 @@ def free_gpu() -> None:
 
 
 def batch1_phase(path: Path, result: dict, skip_hf: bool) -> None:
-    model = hf_model(path)
+    model = hf_model(path, meta=skip_hf)  # kiln-only runs read no 16 GB for the step's byte count
     prompt_len, new = 128, 256
     per_step = step_bytes(model, prompt_len + new / 2)
     tps = kiln_batch1(path, prompt_len, new, result)
