@@ -499,6 +499,9 @@ def main() -> None:
         help="backend.kernels, not startup's",
     )
     args = parser.parse_args()
+    # gpu_check.sh's deadline ends a run with SIGTERM: as an exception, the phase's `finally` still stops the
+    # `kiln serve` it started, which would otherwise hold the GPU's memory from the tests that run next.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     skip_hf = set(PHASES if args.skip_hf == [] else args.skip_hf or ())
     KILN_OPTIONS["deterministic"] = args.deterministic
     if args.kernels != "auto":

@@ -73,6 +73,8 @@ if [ -n "$PHASES" ] && [ $(left) -gt 60 ]; then
     echo "== $name rc=$? ($(( $(date +%s) - T0 )) s)"; grep -vE "it/s\]|s/it\]|req/s\]|tensor/s\]" $L/$name.log | grep -E "gpu_bench|Error|error|kiln\." | tail -25
   }
   bench gpu_bench "$PYTHONPATH" "${BENCH_ARGS[@]}"
+  # A server a timed-out benchmark started may still be draining: the tests after it need the GPU's memory.
+  for _ in $(seq 30); do pgrep -f "kiln (serve|warmup)" >/dev/null || break; sleep 1; done
   cp $OUT/gpu_bench.serve.log $L/ 2>/dev/null
   if [ -n "${AB:-}" ]; then
     bl=$(( ($(left) - 30) / 2 )); bench gpu_bench.base "$SITE:$PWD/$AB" --skip-hf
