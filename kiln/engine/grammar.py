@@ -20,6 +20,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 
 from kiln.sampling_params import StructuredOutputsParams
@@ -143,6 +144,11 @@ class SequenceGrammar:
                 self.failed = True
                 return False
         return not self.matcher.is_terminated()
+
+    @property
+    def ended(self) -> bool:
+        """It has accepted its end (a stop token)."""
+        return self.matcher is not None and self.matcher.is_terminated()
 
     def accept(self, token: int) -> bool:
         if self.matcher is None or self.matcher.is_terminated():
@@ -292,3 +298,20 @@ class Grammars:
             self._batch = xgr.BatchGrammarMatcher(max_threads=1)
         self._batch.batch_fill_next_token_bitmask([g.matcher for g in grammars], self._bitmask, rows)
         return self._bitmask[:num_rows]
+
+    def keep_ends(self, bitmask: torch.Tensor, rows: list[int], banned: list[list[int]]) -> None:
+        """min_tokens bans EOS and the stop ids until it is met, and a grammar at its end (a short schema,
+        complete) allows nothing else: the row would have no token to draw. The grammar wins, as in vLLM
+        (#54218): such a row's ban is lifted, in place, and the end it draws ends it (OutputProcessor)."""
+        words = bitmask.numpy().view(np.uint32)
+        full, tail = divmod(self.vocab_size, 32)
+        for row in rows:
+            if not banned[row]:  # min_tokens is met, or was never asked
+                continue
+            ids = np.asarray([t for t in banned[row] if 0 <= t < self.vocab_size], dtype=np.int64)
+            allowed = words[row, : full + (tail > 0)].copy()
+            if tail:
+                allowed[-1] &= np.uint32((1 << tail) - 1)  # the bits past the vocabulary
+            np.bitwise_and.at(allowed, ids >> 5, ~(np.uint32(1) << (ids & 31).astype(np.uint32)))
+            if not allowed.any():
+                banned[row] = []

@@ -213,7 +213,8 @@ class OutputProcessor:
     def _check_stop(self, req: Request, token: int) -> None:
         p = req.params
         reason: tuple[str, int | str | None] | None = None
-        if req.num_output_tokens >= p.min_tokens:
+        # A grammar that has ended was let end before min_tokens (Grammars.keep_ends).
+        if req.num_output_tokens >= p.min_tokens or (req.grammar is not None and req.grammar.ended):
             if not p.ignore_eos and token in self.eos_token_ids:
                 reason = ("stop", None)
             elif token in req.stop_ids:

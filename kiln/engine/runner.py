@@ -129,11 +129,15 @@ class ModelRunner:
             return StepResult.launched([], None, prompt_logprobs)
         sampled = [reqs[i] for i in sampling]
         allowed = self._allowed(sampled)  # on the CPU, while a GPU runs the forward
+        banned = [r.banned_ids for r in sampled]
+        if allowed is not None:
+            assert self.grammars is not None
+            self.grammars.keep_ends(*allowed, banned)
         logits = self.model.compute_logits(hidden[self._tensor(cu_np[1:][sampling] - 1)])
         meta = SamplingMetadata.build(
             [r.params for r in sampled],
             [r.generator for r in sampled],
-            [r.banned_ids for r in sampled],
+            banned,
             logits.shape[-1],
             self.device,
             self.token_counts.penalties(sampled),

@@ -143,9 +143,13 @@ def test_named_call_streams_its_arguments() -> None:
     assert second[0].id is None and second[0].function.arguments == ": 1}"
 
 
+@pytest.fixture(scope="module")
+def llm(default_model_dir: Path) -> LLM:
+    return LLM("default", max_model_len=512)
+
+
 @pytest.mark.slow
-def test_offline_generate(default_model_dir: Path) -> None:
-    llm = LLM("default", max_model_len=512)
+def test_offline_generate(llm: LLM) -> None:
     tok = llm.get_tokenizer()
     ask = llm.apply_chat_template([{"role": "user", "content": "When was the Eiffel tower built?"}])
     date = r"\d{4}-\d{2}-\d{2}"
@@ -164,3 +168,24 @@ def test_offline_generate(default_model_dir: Path) -> None:
     with pytest.raises(ValueError, match="invalid regex"):
         llm.generate([ask, ask], [free, bad], use_tqdm=False)
     assert not llm.engine.has_unfinished()  # nothing of the failed call stays queued
+
+
+@pytest.mark.slow
+def test_a_grammar_at_its_end_ends_the_request_before_min_tokens(llm: LLM) -> None:
+    """min_tokens bans EOS, and a complete choice allows nothing but EOS: the grammar wins, as in vLLM
+    (#54218), and the request stops with its choice (it was aborted for a token outside the grammar). Where
+    the grammar allows more than its end, min_tokens still holds."""
+    prompt = llm.get_tokenizer().encode("Is the sky blue? Answer yes or no:")
+    for temperature in (0.0, 1.0):
+        params = SamplingParams(
+            temperature=temperature,
+            seed=1,
+            max_tokens=12,
+            min_tokens=8,
+            structured_outputs=S(choice=["yes", "no"]),
+        )
+        out = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
+        assert (out.text in ("yes", "no"), out.finish_reason, out.stop_reason) == (True, "stop", None)
+    more = SamplingParams(temperature=0.0, max_tokens=12, min_tokens=6, structured_outputs=S(regex="(ab)+"))
+    out = llm.generate([prompt], more, use_tqdm=False)[0].outputs[0]
+    assert re.fullmatch("(ab)+", out.text) and len(out.token_ids) >= 6
