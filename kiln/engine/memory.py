@@ -76,13 +76,14 @@ def profile_memory(runner: ModelRunner, utilization: float, max_tokens: int, gra
     runner.allocate_kv(1)
     step = _peak_of(lambda: runner.profile_step(Bucket("tokens", max_tokens)), device)
     sampler = _peak_of(lambda: runner.profile_sampler(runner.max_num_seqs), device)
+    itemsize = (runner.model.kernels.activations or runner.dtype).itemsize
+    hidden = max_tokens * runner.model.dims.hidden_size * itemsize  # the step's output, held while it samples
     sizes = runner.lowering.plan.decode_sizes
     largest = Bucket("decode", sizes[-1])  # the largest CUDA graph, captured first
     # The graphs share one pool. Each later one reuses what the ones before it freed, but every graph keeps
     # its output (the step's hidden states) allocated there, for its replays to write. Outside the pool, they
     # share one copy of the largest step's inputs (CudaGraphs._static): per row, a full-width block table
     # where the attention reads it.
-    itemsize = (runner.model.kernels.activations or runner.dtype).itemsize
     outputs = sum(sizes[:-1]) * runner.model.dims.hidden_size * itemsize
     b = runner.buf
     per_row = (b.input_ids, b.positions, b.slot_mapping, b.query_start_loc, b.seq_lens)
@@ -95,7 +96,7 @@ def profile_memory(runner: ModelRunner, utilization: float, max_tokens: int, gra
     weights = sum(p.numel() * p.element_size() for p in runner.model.parameters())
     rows = TokenCounts.nbytes(runner.model.dims.vocab_size, runner.max_num_seqs)
     profile = MemoryProfile(
-        total, int(utilization * total), weights, total - free, max(step, sampler), pool, rows
+        total, int(utilization * total), weights, total - free, max(step, hidden + sampler), pool, rows
     )
     log.info("GPU memory: %s", profile.describe())
     return profile

@@ -10,6 +10,7 @@ import torch
 from kiln.ops.sampling_metadata import SamplingMetadata
 
 Filter = torch.Tensor | float | None  # per row, one value for a single row, or off
+MIN_P_FLOOR = 1e-30  # times the top probability (at least 1 / vocabulary), still a normal float32
 
 
 def draw_tokens(
@@ -41,6 +42,11 @@ def _draw(
         return fs.top_k_top_p_sampling_from_logits(
             x, top_k if top_k is not None else x.shape[-1], top_p if top_p is not None else 1.0, generator=gen
         )
+    if isinstance(min_p, torch.Tensor):
+        # A row with min-p off (0) would count every token valid in FlashInfer's kernel, those top-k or top-p
+        # removed included, and where its uniform lands past the scanned sum (rounding, or a draw of exactly
+        # 1) the kernel takes the last valid token: the vocabulary's last. A floor keeps removed ones out.
+        min_p = min_p.clamp_min(MIN_P_FLOOR)
     probs = x.softmax(dim=-1)
     if top_k is not None:
         probs = fs.top_k_renorm_probs(probs, top_k)
