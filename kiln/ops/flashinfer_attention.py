@@ -39,6 +39,9 @@ from kiln.ops.triton.kv_cache import write_kv
 log = logging.getLogger(__name__)
 
 INT_WORKSPACE_BYTES = 8 * 2**20  # each plan's schedule, the size every wrapper would allocate for itself
+# Where a plan's per-CTA indices lie: 3 int32 arrays of the padded grid (a few thousand CTAs) and the
+# query pointers come first (scheduler.cuh, PrefillPlan).
+SCHEDULE_HEAD_BYTES = 2**20
 
 Wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper | flashinfer.BatchPrefillWithPagedKVCacheWrapper
 W = TypeVar(
@@ -78,7 +81,7 @@ class FlashInferAttention:
         self.max_blocks_per_seq = max_blocks_per_seq
         # Tensor-core decode is faster once several query heads share a KV head (FlashInfer's advice).
         self.tensor_cores = num_heads // num_kv_heads >= 4
-        prefill = prefill_backend(dtype, device)
+        self.prefill_backend = prefill = prefill_backend(dtype, device)
         fa2_prefill = prefill != "fa3"
         self.fa3 = not fa2_prefill
         sms = torch.cuda.get_device_properties(device).multi_processor_count
@@ -88,13 +91,26 @@ class FlashInferAttention:
         self.workspace = torch.zeros(size, dtype=torch.uint8, device=device)
         self.int_workspace = torch.zeros(INT_WORKSPACE_BYTES, dtype=torch.uint8, device=device)
         self.pinned_int_workspace = torch.empty(INT_WORKSPACE_BYTES, dtype=torch.uint8, pin_memory=True)
-        self.prefill = self._wrapper(flashinfer.BatchPrefillWithPagedKVCacheWrapper)
+        # Named, not "auto" (which resolves to the same at plan): off Hopper, "auto" would also allocate FA3's
+        # 64 MiB token index, which FA2 never reads.
+        self.prefill = self._wrapper(flashinfer.BatchPrefillWithPagedKVCacheWrapper, backend=prefill)
         self.decode = self._wrapper(
             flashinfer.BatchDecodeWithPagedKVCacheWrapper, use_tensor_cores=self.tensor_cores
         )
         self.graph_decode: dict[int, flashinfer.BatchDecodeWithPagedKVCacheWrapper] = {}
         self.graph_prefill: dict[int, flashinfer.BatchPrefillWithPagedKVCacheWrapper] = {}
         self._indices: torch.Tensor | None = None
+        # Deterministic decode graphs read FA3's page-to-token index at the address they were captured
+        # with, so it cannot grow as a mixed step's does (_fit_token_index). It is sized here, before the
+        # memory profile, for a whole graph batch at max_model_len; up to FlashInfer's 16M, the prefill's
+        # is shared.
+        self._graph_token_index: torch.Tensor | None = None
+        if deterministic and self.fa3:
+            have = self.prefill._vector_sparse_indices_buffer
+            need = max_graph_batch * max_blocks_per_seq * block_size
+            self._graph_token_index = (
+                have if need <= have.numel() else torch.empty(need, dtype=torch.int32, device=device)
+            )
         build_kernels(head_dim, dtype, prefill, sliding_window > 0, self.tensor_cores)
         if deterministic and fa2_prefill:
             log.warning(
@@ -151,23 +167,25 @@ class FlashInferAttention:
             i32 = {"dtype": torch.int32, "device": self.device}
             wrapper = self._wrapper(
                 flashinfer.BatchPrefillWithPagedKVCacheWrapper,
+                backend=self.prefill_backend,
                 use_cuda_graph=True,
                 qo_indptr_buf=torch.zeros(batch + 1, **i32),
                 paged_kv_indptr_buf=torch.zeros(batch + 1, **i32),
                 paged_kv_indices_buf=self._graph_indices(batch),
                 paged_kv_last_page_len_buf=torch.zeros(batch, **i32),
             )
-            # FA3's 64 MiB page-to-token index is written and read within one run (one step at a time, as
-            # the workspace): every wrapper shares the first one's rather than holding its own.
-            wrapper._vector_sparse_indices_buffer = self.prefill._vector_sparse_indices_buffer
+            # FA3's page-to-token index is written and read within one run (one step at a time, as the
+            # workspace): every wrapper shares one rather than holding 64 MiB of its own.
+            if self._graph_token_index is not None:
+                wrapper._vector_sparse_indices_buffer = self._graph_token_index
             self.graph_prefill[batch] = wrapper
         return self.graph_prefill[batch]
 
     def _fit_token_index(self, tokens: int) -> None:
         """FA3 expands a step's pages into one index per KV token, in a buffer FlashInfer sizes for 16M. A
         mixed step can read more: 1,024 requests on one cached 16k-token prefix. It grows (past the memory
-        profile) rather than let the kernel write beyond it. (Deterministic mode's decode graphs keep the
-        16M one they captured.)"""
+        profile) rather than let the kernel write beyond it. (Deterministic mode's decode graphs have their
+        own, sized for them at init.)"""
         if not self.fa3 or tokens <= (have := self.prefill._vector_sparse_indices_buffer).numel():
             return
         size = max(tokens, 2 * have.numel())
@@ -203,6 +221,12 @@ class FlashInferAttention:
             if not layout.graph:
                 self._fit_token_index(tokens)
             self._active = self._graph_prefill(len(layout.seq_lens)) if layout.graph else self.prefill
+            if layout.graph and not self.fa3:
+                # FA2's graph grid is padded past the step's tiles, and without split-KV no mask stops the
+                # padding CTAs: each reads its request and tile index from the schedule, whose padding the
+                # plan never writes. In the shared pinned buffer that is another plan's; zeros make them all
+                # recompute request 0's first tile, writing the same bits.
+                self.pinned_int_workspace[:SCHEDULE_HEAD_BYTES].zero_()
             self._active.plan(
                 qo_indptr, *paged, head_dim_qk=self.head_dim, causal=True, disable_split_kv=True,
                 seq_lens=kv_lens, **common,

@@ -119,3 +119,26 @@ def test_flashinfer_rows_are_the_same_bits_in_every_kind_of_step(D: int) -> None
     }
     for name, rows in steps.items():
         assert torch.equal(rows, whole[L - len(rows) :]), name
+
+
+def test_a_decode_graph_reading_more_than_16m_kv_tokens_matches_the_step_outside_graphs() -> None:
+    """FA3 expands a step's pages into one index per KV token, in a buffer FlashInfer sizes for 16M tokens
+    and never checks. A deterministic decode graph reads the buffer it was captured with, so it is sized
+    for the graph's batch at max_model_len: here 64 rows of 512k tokens (one cached prefix, shared), 32M."""
+    from kiln.ops.flashinfer_attention import FlashInferAttention
+
+    dev, D, batch, width = torch.device("cuda"), 128, 64, 2**19 // BS
+    fi = FlashInferAttention(H, KVH, D, BS, torch.bfloat16, dev, width, D**-0.5, 0, batch, deterministic=True)
+    if not fi.fa3:
+        pytest.skip(f"{torch.cuda.get_device_name()} prefills with FA2, which has no token index")
+    torch.manual_seed(0)
+    cache = torch.randn(BLOCKS + 1, 2, BS, KVH, D, device=dev, dtype=torch.bfloat16)
+    table = np.resize(np.random.default_rng(0).permutation(BLOCKS), width)
+    reqs = [
+        (table, width * BS - 1, torch.randn(1, H, D, device=dev, dtype=torch.bfloat16)) for _ in range(batch)
+    ]
+    assert batch * width * BS > 16 * 2**20
+    graph = attend(fi, cache, reqs, decode_only=True, graph=True)
+    assert fi._graph_prefill(batch)._vector_sparse_indices_buffer.numel() >= batch * width * BS
+    eager = attend(fi, cache, reqs, decode_only=True)
+    assert all(torch.equal(g, e) for g, e in zip(graph, eager, strict=True))
