@@ -39,3 +39,21 @@ def test_constrained_rows_beside_free_ones(tmp_path: Path, default_model_dir: Pa
         assert len(outs[0].outputs[0].token_ids) == 16  # a free row runs on, unmasked
         for out in outs[1:]:
             assert re.fullmatch(DATE, out.outputs[0].text) and out.outputs[0].finish_reason == "stop"
+    # A grammar at its end ends its request before min_tokens (Grammars.keep_ends): with EOS banned, a
+    # complete choice would leave FlashInfer's kernels a row with no token to draw. The rows use every
+    # filter; the unseeded ones are drawn together, min-p's kernel with min-p off in some.
+    choice = StructuredOutputsParams(choice=["2024-01-01", "1999-12-31"])
+    ends = [
+        SamplingParams(
+            temperature=1.0,
+            seed=None if s % 2 else s,
+            max_tokens=16,
+            min_tokens=12,
+            top_k=5 if s % 2 else -1,
+            min_p=0.1 if s % 3 == 0 else 0.0,
+            structured_outputs=choice,
+        )
+        for s in range(6)
+    ]
+    for out in llm.generate(["a b c"] * 6, ends, use_tqdm=False):
+        assert out.outputs[0].text in choice.choice and out.outputs[0].finish_reason == "stop"
