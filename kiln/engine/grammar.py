@@ -303,15 +303,15 @@ class Grammars:
         """min_tokens bans EOS and the stop ids until it is met, and a grammar at its end (a short schema,
         complete) allows nothing else: the row would have no token to draw. The grammar wins, as in vLLM
         (#54218): such a row's ban is lifted, in place, and the end it draws ends it (OutputProcessor)."""
-        words = bitmask.numpy().view(np.uint32)
+        held = [row for row in rows if banned[row]]  # min_tokens not yet met
+        if not held:
+            return
         full, tail = divmod(self.vocab_size, 32)
-        for row in rows:
-            if not banned[row]:  # min_tokens is met, or was never asked
-                continue
-            ids = np.asarray([t for t in banned[row] if 0 <= t < self.vocab_size], dtype=np.int64)
-            allowed = words[row, : full + (tail > 0)].copy()
-            if tail:
-                allowed[-1] &= np.uint32((1 << tail) - 1)  # the bits past the vocabulary
-            np.bitwise_and.at(allowed, ids >> 5, ~(np.uint32(1) << (ids & 31).astype(np.uint32)))
-            if not allowed.any():
-                banned[row] = []
+        allowed = bitmask.numpy().view(np.uint32)[held, : full + (tail > 0)]  # a copy
+        if tail:
+            allowed[:, -1] &= np.uint32((1 << tail) - 1)  # the bits past the vocabulary
+        pairs = [(i, t) for i, row in enumerate(held) for t in banned[row] if 0 <= t < self.vocab_size]
+        which, ids = np.array(pairs, dtype=np.int64).reshape(-1, 2).T
+        np.bitwise_and.at(allowed, (which, ids >> 5), ~(np.uint32(1) << (ids & 31).astype(np.uint32)))
+        for i in np.flatnonzero(~allowed.any(axis=1)):
+            banned[held[i]] = []
