@@ -41,7 +41,8 @@ def _grouped_gemm(
             other=0.0,
         )
         if UPCAST:
-            acc += tl.dot(a.to(tl.float32), b.to(tl.float32))
+            # IEEE float32, not TF32 (Triton's default for float32 inputs on a GPU): torch's float32 GEMMs.
+            acc += tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
         else:
             acc += tl.dot(a, b.to(a.dtype))
     if SECOND:
@@ -84,7 +85,8 @@ def _gemm(
     launch(_grouped_gemm)[(block_expert.numel(), triton.cdiv(n, block_n))](
         a, w, out, pair_weights, sorted_pairs, block_expert, padded,
         pair_weights.numel(), n, k, a.stride(0), w.stride(0), w.stride(1), out.stride(0),
-        SECOND=second, TOP_K=top_k, UPCAST=INTERPRET,  # the interpreter's 16-bit dot products upcast wrongly
+        # The interpreter's 16-bit dot products upcast wrongly; float32 operands multiply as float32.
+        SECOND=second, TOP_K=top_k, UPCAST=INTERPRET or torch.float32 in (a.dtype, w.dtype),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
     )  # fmt: skip
 
