@@ -257,8 +257,14 @@ class ModelRunner:
         """Draws once through every sampling path (each combination of penalties, bias and banned ids the
         prep kernel specializes on; plain, top-k/top-p and min-p draws), so every kernel is built before
         serving. A step without a penalty passes none (TokenCounts.penalties), and Triton builds the kernel
-        apart for each argument that is None: so do the warm rows."""
+        apart for each argument that is None: so do the warm rows. The LM head runs outside the graphs too:
+        deterministic mode's is a Triton GEMM, built for each kind of row count it specializes (1, a
+        multiple of 16, any other)."""
         vocab = self.model.dims.vocab_size
+        dtype = self.model.kernels.activations or self.dtype
+        hidden = torch.zeros(16, self.model.dims.hidden_size, dtype=dtype, device=self.device)
+        for rows in (1, 2, 16):
+            self.model.compute_logits(hidden[:rows])
         throwaway = self._throwaway_sampler()
         for i, (penalty, bias, banned) in enumerate(itertools.product((False, True), repeat=3)):
             draw = i % 3  # 0: plain, 1: top-k/top-p, 2: and min-p

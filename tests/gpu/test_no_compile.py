@@ -11,12 +11,16 @@ from tests.models.tiny import build
 
 
 @pytest.mark.parametrize(
-    ("arch", "head_dim"),
-    [("qwen3", 16), ("qwen3", 128), ("qwen3_moe", 128)],
-    ids=["torch-attention", "flashinfer", "flashinfer-moe"],  # moe: Triton's grouped GEMM in the graphs
+    ("arch", "head_dim", "deterministic"),
+    [("qwen3", 16, False), ("qwen3", 128, False), ("qwen3_moe", 128, False), ("qwen3", 128, True)],
+    # moe: Triton's grouped GEMM in the graphs; deterministic: Triton's GEMM, the LM head's run eagerly
+    ids=["torch-attention", "flashinfer", "flashinfer-moe", "flashinfer-deterministic"],
 )
-def test_nothing_compiles_after_ready_in_cudagraph_mode(arch: str, head_dim: int, tmp_path: Path) -> None:
+def test_nothing_compiles_after_ready_in_cudagraph_mode(
+    arch: str, head_dim: int, deterministic: bool, tmp_path: Path
+) -> None:
     build(arch, tmp_path, head_dim if head_dim != 16 else None)
-    llm = LLM(str(tmp_path), dtype="bfloat16", device="cuda", mode="cudagraph", kv_cache_gib=0.05, **OPTIONS)
+    llm = LLM(str(tmp_path), dtype="bfloat16", device="cuda", mode="cudagraph", kv_cache_gib=0.05,
+              deterministic=deterministic, **OPTIONS)  # fmt: skip
     assert llm.engine.backend.attention == ("flashinfer" if head_dim == 128 else "torch")
     assert_nothing_compiles_after_ready(llm)
