@@ -24,10 +24,19 @@ class BucketPlan:
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> BucketPlan:
-        max_seqs = config.scheduler.max_num_seqs
         max_tokens = config.scheduler.max_num_batched_tokens
-        decode = config.compile.decode_sizes or default_decode_sizes(max_seqs)
+        # A decode step holds at most max_num_seqs sequences and, at a token each, max_num_batched_tokens:
+        # the step buffers hold that many rows, and a larger bucket's warmup (a CUDA graph's capture) would
+        # overrun them.
+        max_decode = min(config.scheduler.max_num_seqs, max_tokens)
+        decode = config.compile.decode_sizes or default_decode_sizes(max_decode)
         tokens = config.compile.token_sizes or default_token_sizes(max_tokens)
+        for key, sizes, limit, what in (
+            ("decode_sizes", decode, max_decode, "min(max_num_seqs, max_num_batched_tokens)"),
+            ("token_sizes", tokens, max_tokens, "max_num_batched_tokens"),
+        ):
+            if over := sorted(s for s in set(sizes) if s > limit):
+                raise ValueError(f"compile.{key} {over} exceed {what}, {limit}: no step is that large")
         return cls(tuple(sorted(set(decode))), tuple(sorted(set(tokens))))
 
     def bucket(self, num_tokens: int, decode_only: bool) -> Bucket | None:

@@ -1,3 +1,5 @@
+import pytest
+
 from kiln.compile.buckets import Bucket, BucketPlan, default_decode_sizes, default_token_sizes
 from kiln.config import EngineConfig, SchedulerConfig
 
@@ -41,3 +43,21 @@ def test_smallest_bucket_that_holds_the_step() -> None:
     assert plan.bucket(17, decode_only=False) == Bucket("tokens", 32)
     assert plan.bucket(257, decode_only=False) is None
     assert [str(b) for b in plan.all()][:3] == ["decode-32", "decode-4", "decode-1"]
+
+
+def test_buckets_fit_the_steps_the_scheduler_makes() -> None:
+    """A decode step holds at most max_num_seqs sequences, and max_num_batched_tokens of them (one token
+    each): the default graphs stop there, and an explicit size past either limit is a config error."""
+    few_tokens = EngineConfig.from_options(max_num_seqs=1024, max_num_batched_tokens=256)
+    assert BucketPlan.from_config(few_tokens).decode_sizes[-1] == 256
+    for options, says in [
+        ({"max_num_seqs": 16, "decode_sizes": [8, 32]}, r"compile.decode_sizes \[32\] exceed .*, 16"),
+        (
+            {"max_num_batched_tokens": 64, "decode_sizes": [128]},
+            r"compile.decode_sizes \[128\] exceed .*, 64",
+        ),
+        ({"max_num_batched_tokens": 64, "token_sizes": [32, 128]}, r"compile.token_sizes \[128\] exceed"),
+    ]:
+        config = EngineConfig.from_options(**{"max_num_seqs": 256, "max_num_batched_tokens": 2048, **options})
+        with pytest.raises(ValueError, match=says):
+            BucketPlan.from_config(config)
