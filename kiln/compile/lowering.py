@@ -91,6 +91,16 @@ class Lowering:
             self.mode = "eager"
         if self.mode == "cudagraph" and not cuda:
             raise ValueError("compile mode 'cudagraph' needs a CUDA device; use 'compiled' or 'eager'")
+        if self.mode == "cudagraph" and backend.kernels == "torch" and model.dims.num_experts:
+            # torch's MoE reference groups the tokens by expert on the host (kiln.ops.moe.grouped): a copy to
+            # the host, which a CUDA graph's capture refuses.
+            why = (
+                "backend.kernels 'torch' runs MoE experts through the host, which a CUDA graph cannot capture"
+            )
+            if mode != "auto":
+                raise ValueError(f"compile mode 'cudagraph': {why}; use 'compiled', or kernels 'triton'")
+            log.warning("compile mode 'compiled', not 'cudagraph': %s", why)
+            self.mode = "compiled"
         self.graphs = CudaGraphs() if self.mode == "cudagraph" else None
         # torch.compile's wrapper, made on the first trace: a start that loads every graph never needs it
         # (making it imports most of AOTAutograd).

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from kiln import LLM
+from kiln import LLM, SamplingParams
 from tests.models.tiny import build
 
 
@@ -56,3 +56,26 @@ def test_cudagraph_replay_equals_eager_for_every_decode_bucket(head_dim: int, tm
             )
             logits = runner.model.compute_logits
             assert torch.equal(logits(replayed).argmax(-1), logits(eager).argmax(-1)), f"bucket {bucket}"
+
+
+def test_torch_moe_experts_run_compiled_not_captured(tmp_path: Path) -> None:
+    """torch's MoE reference groups tokens by expert on the host, which a capture refuses: mode auto runs
+    compiled (and generates), and an explicit cudagraph is a config error that says why."""
+    build("qwen3_moe", tmp_path, 128)
+    options = {
+        "dtype": "bfloat16",
+        "device": "cuda",
+        "kernels": "torch",
+        "kv_cache_gib": 0.05,
+        "max_num_seqs": 4,
+    }
+    llm = LLM(str(tmp_path), **options)
+    assert (llm.engine.runner.lowering.mode, llm.engine.runner.lowering.graphs) == ("compiled", None)
+    greedy = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    assert (
+        len(llm.generate({"prompt_token_ids": [1, 2, 3]}, greedy, use_tqdm=False)[0].outputs[0].token_ids)
+        == 4
+    )
+    del llm
+    with pytest.raises(ValueError, match="'torch' runs MoE experts through the host"):
+        LLM(str(tmp_path), mode="cudagraph", **options)
