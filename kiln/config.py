@@ -93,9 +93,11 @@ class CompileConfig(_Section):
     # auto: cudagraph on CUDA (compiled layers, decode steps replayed as CUDA graphs), compiled on a CPU.
     mode: Literal["auto", "eager", "compiled", "cudagraph"] = "auto"
     # Batch sizes decode steps are padded to, each a CUDA graph on a GPU (null: vLLM's, 1, 2, 4, then steps of
-    # 8 to 256 and of 16 to 512, up to max_num_seqs); a larger decode runs the compiled graph without one.
+    # 8 to 256 and of 16 to 512, up to max_num_seqs and max_num_batched_tokens); a larger decode runs the
+    # compiled graph without one. None may exceed either limit: no decode step is that large.
     decode_sizes: list[Annotated[int, Meta(ge=1)]] | None = None
-    # Token counts mixed and prefill steps are padded to (null: powers of two up to max_num_batched_tokens).
+    # Token counts mixed and prefill steps are padded to (null: powers of two up to max_num_batched_tokens,
+    # which none may exceed).
     token_sizes: list[Annotated[int, Meta(ge=2)]] | None = None
     cache_file: str | None = None  # a `kiln warmup --export` file to install before warming up
 
