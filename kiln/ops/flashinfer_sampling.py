@@ -38,9 +38,11 @@ def _draw(
     if min_p is None:
         if top_k is None and top_p is None:
             return fs.sampling_from_logits(x, generator=gen)
+        if top_k is None:  # what the call below does after its top-k pass, which here would mask nothing
+            return fs.top_p_sampling_from_probs(x.softmax(dim=-1), top_p, generator=gen)
         # "top_k_first": top-k, a softmax over what is left, then top-p: vLLM's order.
         return fs.top_k_top_p_sampling_from_logits(
-            x, top_k if top_k is not None else x.shape[-1], top_p if top_p is not None else 1.0, generator=gen
+            x, top_k, top_p if top_p is not None else 1.0, generator=gen
         )
     if isinstance(min_p, torch.Tensor):
         # A row with min-p off (0) would count every token valid in FlashInfer's kernel, those top-k or top-p
