@@ -36,7 +36,7 @@ import torch  # noqa: E402
 from flashinfer.jit import build_jit_specs  # noqa: E402
 from flashinfer.jit import env as jit_env  # noqa: E402
 
-from kiln.ops.flashinfer_attention import kernel_specs, prefill_backend  # noqa: E402
+from kiln.ops.flashinfer_modules import kernel_specs, prefill_backend  # noqa: E402
 
 logging.basicConfig(level=logging.INFO)
 # gpu_bench's models, bfloat16 at head dim 128: the Llama-3-8B shape decodes on tensor cores (4 query heads

@@ -94,9 +94,7 @@ class Lowering:
         if self.mode == "cudagraph" and backend.kernels == "torch" and model.dims.num_experts:
             # torch's MoE reference groups the tokens by expert on the host (kiln.ops.moe.grouped): a copy to
             # the host, which a CUDA graph's capture refuses.
-            why = (
-                "backend.kernels 'torch' runs MoE experts through the host, which a CUDA graph cannot capture"
-            )
+            why = "backend.kernels 'torch' runs MoE experts through the host, which a capture cannot hold"
             if mode != "auto":
                 raise ValueError(f"compile mode 'cudagraph': {why}; use 'compiled', or kernels 'triton'")
             log.warning("compile mode 'compiled', not 'cudagraph': %s", why)

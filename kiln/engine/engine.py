@@ -16,8 +16,9 @@ from kiln.compile.cache import CompileCache, import_builds, point_caches
 from kiln.compile.lowering import BucketReport
 from kiln.config import EngineConfig
 from kiln.engine.block_manager import BlockManager
+from kiln.engine.constraint import Constraint
 from kiln.engine.detokenizer import IncrementalDetokenizer, SequenceText
-from kiln.engine.grammar import Constraint, Grammars
+from kiln.engine.grammar import Grammars
 from kiln.engine.memory import kv_cache_blocks
 from kiln.engine.output import OutputProcessor, Parent, RequestOutput
 from kiln.engine.request import Request

@@ -32,6 +32,11 @@ from kiln.sampling_params import SamplingParams
 log = logging.getLogger(__name__)
 
 
+# Triton builds a kernel apart for each kind of integer argument it specializes: 1, a multiple of 16, any
+# other. A kernel taking a row count, run outside the graphs, is warmed at one of each.
+TRITON_ROW_KINDS = (1, 2, 16)
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -258,12 +263,11 @@ class ModelRunner:
         prep kernel specializes on; plain, top-k/top-p and min-p draws), so every kernel is built before
         serving. A step without a penalty passes none (TokenCounts.penalties), and Triton builds the kernel
         apart for each argument that is None: so do the warm rows. The LM head runs outside the graphs too:
-        deterministic mode's is a Triton GEMM, built for each kind of row count it specializes (1, a
-        multiple of 16, any other)."""
+        deterministic mode's is a Triton GEMM."""
         vocab = self.model.dims.vocab_size
         dtype = self.model.kernels.activations or self.dtype
         hidden = torch.zeros(16, self.model.dims.hidden_size, dtype=dtype, device=self.device)
-        for rows in (1, 2, 16):
+        for rows in TRITON_ROW_KINDS:
             self.model.compute_logits(hidden[:rows])
         throwaway = self._throwaway_sampler()
         for i, (penalty, bias, banned) in enumerate(itertools.product((False, True), repeat=3)):
@@ -283,11 +287,10 @@ class ModelRunner:
             meta = SamplingMetadata.build([p] * 2, [None] * 2, ban, vocab, self.device, penalties)
             throwaway(torch.zeros(2, vocab, device=self.device), meta)
         if self.device.type == "cuda":
-            # xgrammar's bitmask kernel is Triton, built on first use, and Triton builds a variant for each
-            # kind of row count it specializes (1, a multiple of 16, any other).
+            # xgrammar's bitmask kernel is Triton, built on first use.
             allowed = torch.full((16, (vocab + 31) // 32), -1, dtype=torch.int32)
             logits = torch.zeros(16, vocab, device=self.device)
-            for rows in (1, 2, 16):
+            for rows in TRITON_ROW_KINDS:
                 self.sampler.mask(logits, allowed, list(range(rows)))
 
     def _prompt_logprobs(
