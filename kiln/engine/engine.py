@@ -18,6 +18,7 @@ from kiln.config import EngineConfig
 from kiln.engine.block_manager import BlockManager
 from kiln.engine.constraint import Constraint
 from kiln.engine.detokenizer import IncrementalDetokenizer, SequenceText
+from kiln.engine.dummy_steps import DummySteps
 from kiln.engine.grammar import Grammars
 from kiln.engine.memory import kv_cache_blocks
 from kiln.engine.output import OutputProcessor, Parent, RequestOutput
@@ -123,12 +124,13 @@ class LLMEngine:
         )
 
     def warmup(self, progress: bool = False) -> list[BucketReport]:
-        """Builds every graph and kernel before the first request (ModelRunner.warmup), timing each part."""
+        """Builds every graph and kernel before the first request (DummySteps.warmup), timing each part."""
         clock = time.perf_counter()
         cuda = self.runner.device.type == "cuda"
         reserved = torch.cuda.memory_reserved(self.runner.device) / 2**30 if cuda else 0.0
         cache_file = self.config.compile.cache_file
-        reports, sampler = self.runner.warmup(progress, None if cache_file is None else Path(cache_file))
+        cache = None if cache_file is None else Path(cache_file)
+        reports, sampler = DummySteps(self.runner).warmup(progress, cache)
         graphs = self.runner.lowering.graphs
         capture = graphs.seconds if graphs is not None else 0.0
         self.timings["compile"] = time.perf_counter() - clock - capture - sampler

@@ -13,6 +13,7 @@ import torch
 
 from kiln.compile.buckets import Bucket
 from kiln.config import EngineConfig
+from kiln.engine.dummy_steps import DummySteps
 from kiln.engine.runner import ModelRunner
 from kiln.engine.token_counts import TokenCounts
 from kiln.models.decoder import DecoderModel
@@ -73,9 +74,10 @@ def profile_memory(runner: ModelRunner, utilization: float, max_tokens: int, gra
     """Runs the largest mixed step and the largest sampler draw eagerly on a one-block KV cache (every slot
     is padding), then measures. The profile cache is freed before the real one is allocated."""
     device = runner.device
+    dummy = DummySteps(runner)
     runner.allocate_kv(1)
-    step = _peak_of(lambda: runner.profile_step(Bucket("tokens", max_tokens)), device)
-    sampler = _peak_of(lambda: runner.profile_sampler(runner.max_num_seqs), device)
+    step = _peak_of(lambda: dummy.profile_step(Bucket("tokens", max_tokens)), device)
+    sampler = _peak_of(lambda: dummy.profile_sampler(runner.max_num_seqs), device)
     itemsize = (runner.model.kernels.activations or runner.dtype).itemsize
     hidden = max_tokens * runner.model.dims.hidden_size * itemsize  # the step's output, held while it samples
     sizes = runner.lowering.plan.decode_sizes
@@ -89,7 +91,7 @@ def profile_memory(runner: ModelRunner, utilization: float, max_tokens: int, gra
     per_row = (b.input_ids, b.positions, b.slot_mapping, b.query_start_loc, b.seq_lens)
     table = (b.block_table if runner.no_table is None else runner.no_table)[0].nbytes
     inputs = sizes[-1] * (table + sum(a.itemsize for a in per_row))
-    pool = _peak_of(lambda: runner.profile_step(largest), device) + outputs + inputs if graphs else 0
+    pool = _peak_of(lambda: dummy.profile_step(largest), device) + outputs + inputs if graphs else 0
     runner.kv_caches = []
     torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info(device)

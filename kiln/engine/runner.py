@@ -4,16 +4,14 @@ from __future__ import annotations
 
 import itertools
 import logging
-import time
 from collections.abc import Callable
-from pathlib import Path
 
 import numpy as np
 import torch
 
-from kiln.compile.buckets import Bucket, BucketPlan
+from kiln.compile.buckets import BucketPlan
 from kiln.compile.buffers import StepBuffers
-from kiln.compile.lowering import BucketReport, Lowering
+from kiln.compile.lowering import Lowering
 from kiln.config import EngineConfig
 from kiln.engine.grammar import Grammars
 from kiln.engine.request import Request
@@ -24,17 +22,11 @@ from kiln.models.decoder import DecoderModel
 from kiln.ops.attention import AttnMetadata, StepLayout
 from kiln.ops.backend import TORCH_BACKEND, Backend
 from kiln.ops.sampler import Sampler, logprobs_in_chunks
-from kiln.ops.sampling_metadata import Penalties, SamplingMetadata
+from kiln.ops.sampling_metadata import SamplingMetadata
 from kiln.ops.transfer import to_device
 from kiln.platform import keep_freed_memory
-from kiln.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
-
-
-# Triton builds a kernel apart for each kind of integer argument it specializes: 1, a multiple of 16, any
-# other. A kernel taking a row count, run outside the graphs, is warmed at one of each.
-TRITON_ROW_KINDS = (1, 2, 16)
 
 
 class ModelRunner:
@@ -123,7 +115,7 @@ class ModelRunner:
         )
         buf.query_start_loc[: num_reqs + 1] = cu_np
         buf.seq_lens[:num_reqs] = starts_np + num_new
-        hidden = self._forward(num_tokens, num_reqs, bool((num_new == 1).all()), pending)
+        hidden = self.forward(num_tokens, num_reqs, bool((num_new == 1).all()), pending)
         if land is not None:
             land()
 
@@ -165,7 +157,7 @@ class ModelRunner:
         assert self.grammars is not None
         return self.grammars.bitmask(grammars, rows, len(sampled)), rows
 
-    def _forward(
+    def forward(
         self, num_tokens: int, num_reqs: int, decode_only: bool, pending: list[tuple[int, int]] | None = None
     ) -> torch.Tensor:
         """Runs the model on the first num_tokens/num_reqs entries of the staging buffers; `pending`
@@ -197,101 +189,6 @@ class ModelRunner:
         )  # fmt: skip
         ids, positions = self._tensor(buf.input_ids[:num_tokens]), self._tensor(buf.positions[:num_tokens])
         return num_tokens, (ids, positions, self.kv_caches, meta)
-
-    def warmup(self, progress: bool, cache_file: Path | None) -> tuple[list[BucketReport], float]:
-        """Builds every graph (the lowering's warmup, through the compile cache), then every sampling
-        kernel; returns the per-bucket reports and the sampler's seconds."""
-        reports = self.lowering.warmup(self.warm_step, self.block_size, progress, cache_file)
-        clock = time.perf_counter()
-        self.warm_sampler()
-        return reports, time.perf_counter() - clock
-
-    @torch.inference_mode()
-    def warm_step(self, bucket: Bucket) -> None:
-        """A step of the bucket's shape that writes nothing to the KV cache: every slot is padding and
-        every context reads block 0. Decode buckets are one token per request; a mixed bucket is prefill
-        chunks (each at most max_model_len) plus two decode rows, so it also builds the decode kernel mixed
-        steps use."""
-        size, n = self._fill_warm_step(bucket)
-        self._forward(size, n, bucket.kind == "decode")
-
-    def _fill_warm_step(self, bucket: Bucket) -> tuple[int, int]:
-        size = bucket.size
-        q_lens = [1] * size
-        if bucket.kind == "tokens":
-            decode_rows = max(0, min(2, self.max_num_seqs - 1, size - 2))
-            prefill = size - decode_rows
-            chunk = min(prefill, self.max_model_len)
-            q_lens = [chunk] * (prefill // chunk) + [prefill % chunk] * (prefill % chunk > 0)
-            q_lens = q_lens[: self.max_num_seqs - decode_rows] + [1] * decode_rows
-        cu = np.concatenate([[0], np.cumsum(q_lens)])
-        n, size, buf = len(q_lens), int(cu[-1]), self.buf
-        buf.input_ids[:size] = 0
-        buf.positions[:size] = 0
-        buf.slot_mapping[:size] = -1
-        buf.query_start_loc[: n + 1] = cu
-        buf.seq_lens[:n] = q_lens
-        buf.fill_blocks(slice(0, n), 0)
-        return size, n
-
-    @torch.inference_mode()
-    def profile_step(self, bucket: Bucket) -> None:
-        """warm_step's step run eagerly, outside the lowering (nothing compiled or captured)."""
-        size, n = self._fill_warm_step(bucket)
-        _, args = self.step_inputs(size, n, bucket.kind == "decode")
-        with torch.compiler.set_stance("force_eager"):
-            self.model(*args)
-
-    @torch.inference_mode()
-    def profile_sampler(self, rows: int) -> None:
-        """The sampler's largest step: every row with every filter and penalty, on full-vocabulary logits."""
-        vocab = self.model.dims.vocab_size
-        p = SamplingParams(temperature=1.0, top_k=5, top_p=0.9, min_p=0.01, repetition_penalty=1.1)
-        empty: list[list[int]] = [[]] * rows
-        penalties = Penalties.from_ids([p] * rows, [[0]] * rows, empty, vocab, self.device)
-        meta = SamplingMetadata.build([p] * rows, [None] * rows, empty, vocab, self.device, penalties)
-        self._throwaway_sampler()(torch.zeros(rows, vocab, device=self.device), meta)
-
-    def _throwaway_sampler(self) -> Sampler:
-        """The engine's sampler on its own generator: the engine's stream of draws is left as it was."""
-        s, generator = self.sampler, torch.Generator(device=self.device).manual_seed(0)
-        return Sampler(generator, s.prepare, s.draw, s.mask, s.argmax)
-
-    @torch.inference_mode()
-    def warm_sampler(self) -> None:
-        """Draws once through every sampling path (each combination of penalties, bias and banned ids the
-        prep kernel specializes on; plain, top-k/top-p and min-p draws), so every kernel is built before
-        serving. A step without a penalty passes none (TokenCounts.penalties), and Triton builds the kernel
-        apart for each argument that is None: so do the warm rows. The LM head runs outside the graphs too:
-        deterministic mode's is a Triton GEMM."""
-        vocab = self.model.dims.vocab_size
-        dtype = self.model.kernels.activations or self.dtype
-        hidden = torch.zeros(16, self.model.dims.hidden_size, dtype=dtype, device=self.device)
-        for rows in TRITON_ROW_KINDS:
-            self.model.compute_logits(hidden[:rows])
-        throwaway = self._throwaway_sampler()
-        for i, (penalty, bias, banned) in enumerate(itertools.product((False, True), repeat=3)):
-            draw = i % 3  # 0: plain, 1: top-k/top-p, 2: and min-p
-            p = SamplingParams(
-                temperature=1.0,
-                top_k=5 if draw else -1,
-                top_p=0.9 if draw else 1.0,
-                min_p=0.01 if draw == 2 else 0.0,
-                repetition_penalty=1.1 if penalty else 1.0,
-                logit_bias={0: 1.0} if bias else None,
-            )
-            ban = [[1]] * 2 if banned else [[]] * 2
-            penalties = (
-                Penalties.from_ids([p] * 2, [[0]] * 2, [[]] * 2, vocab, self.device) if penalty else None
-            )
-            meta = SamplingMetadata.build([p] * 2, [None] * 2, ban, vocab, self.device, penalties)
-            throwaway(torch.zeros(2, vocab, device=self.device), meta)
-        if self.device.type == "cuda":
-            # xgrammar's bitmask kernel is Triton, built on first use.
-            allowed = torch.full((16, (vocab + 31) // 32), -1, dtype=torch.int32)
-            logits = torch.zeros(16, vocab, device=self.device)
-            for rows in TRITON_ROW_KINDS:
-                self.sampler.mask(logits, allowed, list(range(rows)))
 
     def _prompt_logprobs(
         self, reqs: list[Request], starts: list[int], new: list[int], cu: list[int], hidden: torch.Tensor

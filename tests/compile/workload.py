@@ -9,6 +9,7 @@ import torch
 
 from kiln import LLM, SamplingParams
 from kiln.compile.lowering import compile_counters
+from kiln.engine.dummy_steps import DummySteps
 from kiln.ops.sampling_metadata import SamplingMetadata
 
 MAX_NUM_SEQS = 8
@@ -83,7 +84,7 @@ def prep_kinds(llm: LLM) -> Iterator[set[tuple[bool, bool, bool]]]:
 
 def assert_nothing_compiles_after_ready(llm: LLM) -> None:
     with prep_kinds(llm) as warmed:
-        llm.engine.runner.warm_sampler()  # as warmup ran it, on a generator of its own
+        DummySteps(llm.engine.runner).warm_sampler()  # as warmup ran it, on a generator of its own
     before = compile_counters()
     with triton_compiles() as built, prep_kinds(llm) as served:
         varied_workload(llm)
