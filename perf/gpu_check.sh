@@ -4,8 +4,8 @@
 #   bash perf/gpu_check.sh TOTAL_S "TEST_FILES|all|" "BENCH_PHASES" [BENCH_ARGS...]   ("" runs no test)
 # It unpacks .gpu/site.tar.xz at a fixed path (so ninja's commands and FlashInfer's header mtimes match the
 # carried cache), restores KILN_CACHE_DIR from .gpu/cache, builds FlashInfer's modules in one parallel run,
-# runs tests/gpu file by file, then perf/gpu_bench.py's phases, and packs logs and the cache (object files
-# emptied, mtimes kept, so ninja finds them up to date) under $OUT.
+# runs tests/gpu file by file, then perf/gpu_bench.py's phases, and packs the cache (object files emptied,
+# mtimes kept, so ninja finds them up to date) under $OUT, beside the logs ($OUT/logs).
 # Files joined by commas run in one pytest process (one import of torch and kiln, not one a file).
 # Env: E2E_S and BENCH_S cap test_end_to_end and the benchmark; LATE_TESTS run after the benchmark (so a
 # one-call lease measures first; the prebuild checks their modules too); NOPACK=1
@@ -29,7 +29,8 @@ export PYTHONUNBUFFERED=1 KILN_CACHE_DIR=/tmp/kc HF_HUB_OFFLINE=1 TOKENIZERS_PAR
 # The script's own imports of flashinfer (its version, -X importtime) would otherwise create ~/.cache/flashinfer
 # (FlashInfer makes its workspace and log on import), which the last lines check that kiln leaves empty.
 export FLASHINFER_WORKSPACE_BASE=$KILN_CACHE_DIR/flashinfer
-OUT=${OUT:-/tmp/out}; L=/tmp/logs; mkdir -p "$OUT" "$KILN_CACHE_DIR" $L
+# Logs are written under $OUT as they grow: a call cut short still returns what ran.
+OUT=${OUT:-/tmp/out}; L=$OUT/logs; mkdir -p "$OUT" "$KILN_CACHE_DIR" $L
 SITE=/tmp/kiln-site
 # Python's lzma, not the xz tool, which the image may lack. Preset 3 packs the CPU's cache in 4 s (6: 23 s).
 untxz() { python3 -c "import sys, tarfile; tarfile.open(fileobj=sys.stdin.buffer, mode='r|xz').extractall(sys.argv[1], filter='fully_trusted')" "$1"; }
@@ -53,13 +54,14 @@ python3 -c "import time, torch; c = time.time(); torch.zeros(1, device='cuda'); 
 # With no test to run, only the benchmark's modules; kiln's CPU kernels only for test_end_to_end's reference.
 PRE=(); [ -z "$TESTS${LATE_TESTS:-}" ] && PRE+=(--bench)
 [[ "$TESTS ${LATE_TESTS:-}" == *test_end_to_end* ]] && PRE+=(--cpu-kernels)
-timeout $(( $(left) - 300 > 60 ? $(left) - 300 : 60 )) python3 perf/gpu_prebuild.py --check ${PRE[@]+"${PRE[@]}"} > $L/prebuild.log 2>&1; echo "== prebuild rc=$? ($(( $(date +%s) - T0 )) s)"; grep -E "prebuild:|rror" $L/prebuild.log | head -5
+timeout -k 20 $(( $(left) - 300 > 60 ? $(left) - 300 : 60 )) python3 perf/gpu_prebuild.py --check ${PRE[@]+"${PRE[@]}"} > $L/prebuild.log 2>&1; echo "== prebuild rc=$? ($(( $(date +%s) - T0 )) s)"; grep -E "prebuild:|rror" $L/prebuild.log | head -5
 run_tests() {
 for f in "$@"; do
   n=$(basename "${f%%,*}" .py); lim=$(( $(left) - 40 )); [ $lim -lt 30 ] && { echo "== $f skipped: out of time"; continue; }
   [ "$n" = test_end_to_end ] && [ $lim -gt ${E2E_S:-9999} ] && lim=${E2E_S:-9999}
-  par="-q"; [ "$n" = test_end_to_end ] && par="-n 8 -v"  # xdist: one worker per 2 of the 16 cores
-  timeout $lim python3 -m pytest -p no:cacheprovider -rA --tb=short $par ${PYTEST_K:+-k "$PYTEST_K"} -o faulthandler_timeout=$((lim - 10)) ${f//,/ } > $L/$n.log 2>&1
+  par="-v"; [ "$n" = test_end_to_end ] && par="-n 8 -v"  # xdist: one worker per 2 of the 16 cores
+  # -v and SIGINT: a group cut at its deadline still names the tests that passed and prints its summary.
+  timeout -s INT -k 15 $lim python3 -m pytest -p no:cacheprovider -rA --tb=short $par ${PYTEST_K:+-k "$PYTEST_K"} -o faulthandler_timeout=$((lim - 10)) ${f//,/ } > $L/$n.log 2>&1
   echo "== $f rc=$? ($(( $(date +%s) - T0 )) s)"
   grep -E "^E |^FAILED|^ERROR|FAILED|passed|failed|Timeout|agreement" $L/$n.log | grep -v "PASSED" | cut -c1-200 | head -40
 done
@@ -69,7 +71,7 @@ if [ -n "$PHASES" ] && [ $(left) -gt 60 ]; then
   bl=$(( $(left) - 30 )); [ $bl -gt ${BENCH_S:-9999} ] && bl=${BENCH_S:-9999}
   bench() {  # NAME PYTHONPATH ARGS...
     local name=$1 path=$2; shift 2
-    PYTHONPATH=$path timeout $bl python3 perf/gpu_bench.py --out "$OUT/$name.json" --models /tmp/models --phases $PHASES "$@" > $L/$name.log 2>&1
+    PYTHONPATH=$path timeout -k 20 $bl python3 perf/gpu_bench.py --out "$OUT/$name.json" --models /tmp/models --phases $PHASES "$@" > $L/$name.log 2>&1
     echo "== $name rc=$? ($(( $(date +%s) - T0 )) s)"; grep -vE "it/s\]|s/it\]|req/s\]|tensor/s\]" $L/$name.log | grep -E "gpu_bench|Error|error|kiln\." | tail -25
   }
   bench gpu_bench "$PYTHONPATH" "${BENCH_ARGS[@]}"
@@ -83,8 +85,7 @@ if [ -n "$PHASES" ] && [ $(left) -gt 60 ]; then
 fi
 [ -n "${LATE_TESTS:-}" ] && run_tests $LATE_TESTS
 du -sh "$KILN_CACHE_DIR"/* 2>/dev/null; du -sh ~/.cache/* 2>/dev/null
-[ -n "${NOPACK:-}" ] && { tar -czf $OUT/logs.tgz -C $L .; exit 0; }
+[ -n "${NOPACK:-}" ] && exit 0
 find "$KILN_CACHE_DIR/flashinfer" -name "*.o" | while read -r o; do m=$(stat -c %Y "$o"); : > "$o"; touch -d "@$m" "$o"; done
 # xz, solid: the cache's entries repeat each other's code (the CPU's 295 MB: 47 MB gzipped, 4.1 MB here).
 tar -cf - -C "$KILN_CACHE_DIR" ${PACK:-.} | txz > /tmp/kc.txz && split -b 15M /tmp/kc.txz "$OUT/kc.txz."; ls -la $OUT
-tar -czf $OUT/logs.tgz -C $L .
