@@ -1,6 +1,6 @@
-"""The distribution one sampling row must draw from, in vLLM's order (top-k, renormalise, top-p, then
-min-p), computed directly from its definition; the chi-square test both samplers are held to; and the
-seeded row's independence of its batch, which both samplers keep too."""
+"""The distribution one sampling row must draw from, in vLLM's order (min-p on the whole distribution, then
+top-k, renormalise, top-p), computed directly from its definition; the chi-square test both samplers are
+held to; and the seeded row's independence of its batch, which both samplers keep too."""
 
 import math
 
@@ -16,6 +16,7 @@ CASES = [  # (top_k, top_p, min_p): each filter alone, and the combinations whos
     (6, 0.8, 0.0),
     (0, 1.0, 0.1),
     (8, 0.9, 0.05),
+    (0, 0.8, 0.1),
 ]
 
 
@@ -24,13 +25,12 @@ def expected_probs(logits: torch.Tensor, top_k: int, top_p: float, min_p: float)
     probs = logits.double().softmax(-1)
     order = probs.argsort(descending=True)
     ranked = probs[order]
+    ranked = torch.where(ranked >= min_p * ranked[0], ranked, 0)
     if top_k:
         ranked = torch.where(torch.arange(len(ranked)) < top_k, ranked, 0)
     ranked = ranked / ranked.sum()
     # A token is kept while the mass ranked above it is still short of top_p.
     ranked = torch.where(ranked.cumsum(0) - ranked < top_p, ranked, 0)
-    ranked = ranked / ranked.sum()
-    ranked = torch.where(ranked >= min_p * ranked[0], ranked, 0)
     out = torch.zeros_like(probs)
     out[order] = ranked / ranked.sum()
     return out

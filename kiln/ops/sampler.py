@@ -1,4 +1,4 @@
-"""Batched token sampling following vLLM: penalties, temperature, top-k, top-p, min-p, logprobs."""
+"""Batched token sampling following vLLM: penalties, temperature, min-p, top-k, top-p, logprobs."""
 
 from __future__ import annotations
 
@@ -33,8 +33,8 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
 
 
 class Sampler:
-    """prepare: penalties, bias and temperature (prepare_logits or its Triton kernel); draw: top-k, top-p,
-    min-p and the random draw (draw below, or FlashInfer's sort-free kernels); mask: a grammar's token
+    """prepare: penalties, bias and temperature (prepare_logits or its Triton kernel); draw: min-p, top-k,
+    top-p and the random draw (draw below, or FlashInfer's sort-free kernels); mask: a grammar's token
     bitmask (xgrammar's kernel, or kiln's on the CPU); argmax: greedy rows' exact argmax (torch's, or kiln's
     on the CPU)."""
 
@@ -82,7 +82,8 @@ def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) 
 
 
 def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
-    """In place: drops tokens less likely than min_p times the row's most likely token."""
+    """In place: drops tokens less likely than min_p times the row's most likely token (none where min_p is
+    0). vLLM applies it to the whole distribution, before top-k and top-p (its MinPLogitsProcessor)."""
     probs = logits.softmax(dim=-1)
     threshold = min_p[:, None] * probs.amax(dim=-1, keepdim=True)
     return logits.masked_fill_(probs < threshold, float("-inf"))
@@ -91,12 +92,12 @@ def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
 def draw_tokens(
     logits: torch.Tensor, meta: SamplingMetadata, generator: torch.Generator | None
 ) -> torch.Tensor:
-    """Samples each row of prepared logits (modified in place) in vLLM's order: top-k, renormalise,
-    top-p, then min-p (relative to the most likely token, so renormalising again changes nothing)."""
-    if meta.top_k is not None or meta.top_p is not None:
-        logits = _top_k_top_p(logits, meta.top_k, meta.top_p)
+    """Samples each row of prepared logits (modified in place) in vLLM's order: min-p on the whole
+    distribution, then top-k, renormalise, top-p (on what min-p kept, renormalised)."""
     if meta.min_p is not None:
         apply_min_p(logits, meta.min_p)
+    if meta.top_k is not None or meta.top_p is not None:
+        logits = _top_k_top_p(logits, meta.top_k, meta.top_p)
     probs = logits.softmax(dim=-1)
 
     # argmax(p / q) with q ~ Exp(1) draws from p; a seeded row's noise comes only from its

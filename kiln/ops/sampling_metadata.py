@@ -66,13 +66,13 @@ def token_counts(ids: list[list[int]], vocab_size: int, device: torch.device) ->
 
 @dataclass(frozen=True, slots=True)
 class Seeded:
-    """A seeded random row: its own generator, and its own filters on the host (None where off), so a sampler
-    can draw it as it would alone, whatever else its batch holds."""
+    """A seeded random row: its own generator, and its own top-k/top-p on the host (None where off), so a
+    sampler can draw it as it would alone, whatever else its batch holds. (Min-p is a mask before the draw,
+    the same in any batch.)"""
 
     generator: torch.Generator
     top_k: int | None
     top_p: float | None
-    min_p: float | None
 
 
 @dataclass(slots=True)
@@ -151,7 +151,6 @@ class SamplingMetadata:
                     g,
                     int(top_k[row]) if top_k[row] < vocab_size else None,
                     top_p[row] if top_p[row] < 1.0 else None,
-                    min_p[row] or None,
                 )
                 for row, g in enumerate(generators)
                 if g is not None and not greedy[row]

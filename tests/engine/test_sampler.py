@@ -244,10 +244,13 @@ def test_sampling_distribution_follows_vllm_order(top_k: int, top_p: float, min_
 
 
 def test_filter_order_matters_in_the_cases_checked() -> None:
-    """The cases tell the orders apart: top-p on un-renormalised top-k, or min-p before top-p, differ."""
+    """The cases tell the orders apart: top-p on un-renormalised top-k, or min-p after top-p (vLLM's V0
+    order, and kiln's before it followed V1), keep other tokens."""
     logits = torch.randn(20, generator=torch.Generator().manual_seed(0)) * 1.5
-    kept = expected_probs(logits, 6, 0.8, 0.0) > 0
     probs = logits.double().softmax(-1)
     ranked = probs.sort(descending=True).values
     unrenormalised = ((ranked.cumsum(0) - ranked) < 0.8)[:6].sum()
-    assert kept.sum() != unrenormalised
+    assert (expected_probs(logits, 6, 0.8, 0.0) > 0).sum() != unrenormalised
+    nucleus = ranked[(ranked.cumsum(0) - ranked) < 0.8]
+    min_p_after = (nucleus >= 0.1 * nucleus[0]).sum()
+    assert (expected_probs(logits, 0, 0.8, 0.1) > 0).sum() != min_p_after

@@ -41,7 +41,7 @@ def test_constrained_rows_beside_free_ones(tmp_path: Path, default_model_dir: Pa
             assert re.fullmatch(DATE, out.outputs[0].text) and out.outputs[0].finish_reason == "stop"
     # A grammar at its end ends its request before min_tokens (Grammars.keep_ends): with EOS banned, a
     # complete choice would leave FlashInfer's kernels a row with no token to draw. The rows use every
-    # filter; the unseeded ones are drawn together, min-p's kernel with min-p off in some.
+    # filter; the unseeded ones are drawn together, min-p's mask with min-p off in some.
     choice = StructuredOutputsParams(choice=["2024-01-01", "1999-12-31"])
     ends = [
         SamplingParams(
