@@ -84,32 +84,38 @@ def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) 
 def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     """In place: drops tokens less likely than min_p times the row's most likely token (none where min_p is
     0). vLLM applies it to the whole distribution, before top-k and top-p (its MinPLogitsProcessor)."""
-    probs = logits.softmax(dim=-1)
-    threshold = min_p[:, None] * probs.amax(dim=-1, keepdim=True)
-    return logits.masked_fill_(probs < threshold, float("-inf"))
+    # p < min_p * p_max, in logits: x - x_max < log(min_p) (-inf where off), no softmax needed.
+    threshold = logits.amax(dim=-1, keepdim=True) + min_p.log()[:, None]
+    return logits.masked_fill_(logits < threshold, float("-inf"))
 
 
 def draw_tokens(
     logits: torch.Tensor, meta: SamplingMetadata, generator: torch.Generator | None
 ) -> torch.Tensor:
     """Samples each row of prepared logits (modified in place) in vLLM's order: min-p on the whole
-    distribution, then top-k, renormalise, top-p (on what min-p kept, renormalised)."""
+    distribution, then top-k, renormalise, top-p (on what min-p kept, renormalised). Each row takes one
+    uniform number, not one a token (torch's exponential noise over a CPU's vocabulary cost more than a
+    decode step); a seeded row's comes from its own generator, so its tokens don't depend on its batch."""
     if meta.min_p is not None:
         apply_min_p(logits, meta.min_p)
     if meta.top_k is not None or meta.top_p is not None:
-        logits = _top_k_top_p(logits, meta.top_k, meta.top_p)
-    probs = logits.softmax(dim=-1)
-
-    # argmax(p / q) with q ~ Exp(1) draws from p; a seeded row's noise comes only from its
-    # own generator, so its tokens don't depend on the rest of the batch.
-    noise = torch.empty_like(probs)
-    if len(meta.seeded) < len(probs):
-        noise.exponential_(generator=generator)
+        cut = _top_k_top_p_among_candidates if logits.device.type == "cpu" else _top_k_top_p
+        logits = cut(logits, meta.top_k, meta.top_p)
+    uniform = torch.empty(len(logits), device=logits.device)
+    if len(meta.seeded) < len(logits):
+        uniform.uniform_(generator=generator)
     for row, own in meta.seeded.items():
-        noise[row].exponential_(generator=own.generator)
-    # A zero draw would make 0 / 0 = nan on a filtered token, and argmax favours nan.
-    noise.clamp_min_(torch.finfo(noise.dtype).tiny)
-    return probs.div_(noise).argmax(dim=-1)
+        uniform[row : row + 1].uniform_(generator=own.generator)
+    return invert_cdf(logits.softmax(dim=-1), uniform)
+
+
+def invert_cdf(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+    """Each row's token whose slice of the row's cumulative mass holds uniform x the mass: a token of no
+    mass has an empty slice, and the row's last token with any mass bounds the pick (rounding)."""
+    cdf = probs.cumsum(dim=-1)
+    total = cdf[:, -1:].contiguous()
+    token = torch.searchsorted(cdf, uniform[:, None] * total, right=True)
+    return torch.minimum(token, torch.searchsorted(cdf, total)).squeeze(1)
 
 
 def prepare_logits(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
@@ -135,6 +141,72 @@ def apply_penalties(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tenso
         logits = torch.where(logits > 0, logits / scale, logits * scale)
         logits -= pen.frequency * pen.output_counts + pen.presence * in_output
     return logits
+
+
+# The ranks a CPU examines, widening, for the top-k/top-p cut before it sorts a whole row: sorting 49k logits
+# takes 2-5 ms a row there, finding the largest 256 of them 0.25 ms, 4,096 0.4-0.9 ms. A small model's
+# nucleus at top-p 0.95 and temperature 1 held a median 181 tokens, and at the 90th percentile 2,340.
+CANDIDATES = (256, 4096)
+
+
+def _top_k_top_p_among_candidates(
+    logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None
+) -> torch.Tensor:
+    """_top_k_top_p's cut (the same tokens, ties kept lowest id first as its stable sort does), found among
+    each row's largest logits; a row whose top-p mass lies past them all is sorted after all."""
+    rows, vocab = logits.shape
+    k = top_k if top_k is not None else torch.full((rows,), vocab, dtype=torch.int64)
+    p = top_p if top_p is not None else torch.ones(rows)
+    keep = torch.full((rows,), vocab)  # ranks kept
+    last = torch.full((rows, 1), float("-inf"))  # the last kept logit
+    todo = ((k < vocab) | (p < 1.0)).nonzero()[:, 0]
+    by_k = k[k < vocab]
+    widest_k = int(by_k.max()) if len(by_k) else 0
+    # A row with top-k is cut within its k largest; only top-p alone needs the candidates.
+    widths = CANDIDATES if bool(((k == vocab) & (p < 1.0)).any()) else (0,)
+    for width in widths:
+        if not len(todo):
+            break
+        x = logits if len(todo) == rows else logits[todo]
+        n, v, found = _cut_among(x, k[todo], p[todo], min(vocab, max(width, widest_k)))
+        keep[todo[found]], last[todo[found]] = n[found], v[found]
+        todo = todo[~found]
+    kept = logits >= last
+    # Ties with the last kept logit: the lowest ids among them, as many as the ranks left.
+    ties = (kept.sum(-1) > keep) & (last[:, 0] > float("-inf"))
+    if bool(ties.any()):
+        x, v = logits[ties], last[ties]
+        equal = x == v
+        left = keep[ties] - (x > v).sum(-1)
+        kept[ties] = (x > v) | (equal & (equal.cumsum(-1) <= left[:, None]))
+    logits.masked_fill_(~kept, float("-inf"))
+    if len(todo):  # top-p alone, its mass spread past the widest candidates
+        logits[todo] = _top_k_top_p(logits[todo], None, p[todo])
+    return logits
+
+
+def _cut_among(
+    logits: torch.Tensor, k: torch.Tensor, p: torch.Tensor, width: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each row's ranks kept by top-k then top-p, and the last kept logit, from its `width` largest logits
+    (width >= every row's top-k); and whether the cut lies within them (a top-p alone may not)."""
+    vocab = logits.shape[-1]
+    by_k, by_p = k < vocab, p < 1.0
+    values = logits.topk(width, dim=-1).values  # descending
+    rank = torch.arange(width)
+    keep = k.clamp_max(width)
+    found = torch.ones(len(logits), dtype=torch.bool)
+    if bool(by_p.any()):
+        mass = (values - values[:, :1]).exp()  # relative to the top token's
+        top_k_mass = torch.where(
+            by_k, (mass * (rank < k[:, None])).sum(-1), (logits - values[:, :1]).exp().sum(-1)
+        )
+        mass /= top_k_mass[:, None]
+        before = mass.cumsum(dim=-1) - mass
+        nucleus = ((before < p[:, None]) & (rank < keep[:, None])).sum(-1)
+        found = ~by_p | by_k | (nucleus < width) | (width == vocab)
+        keep = torch.where(by_p, nucleus, keep)
+    return keep, values.gather(1, (keep - 1)[:, None]), found
 
 
 def _top_k_top_p(

@@ -6,7 +6,13 @@ import msgspec
 import pytest
 import torch
 
-from kiln.ops.sampler import Sampler, apply_penalties, compute_logprobs
+from kiln.ops.sampler import (
+    Sampler,
+    _top_k_top_p,
+    _top_k_top_p_among_candidates,
+    apply_penalties,
+    compute_logprobs,
+)
 from kiln.ops.sampling_metadata import Penalties, SamplingMetadata
 from kiln.sampling_params import SamplingParams
 from tests.sampling_expectation import (
@@ -254,3 +260,21 @@ def test_filter_order_matters_in_the_cases_checked() -> None:
     nucleus = ranked[(ranked.cumsum(0) - ranked) < 0.8]
     min_p_after = (nucleus >= 0.1 * nucleus[0]).sum()
     assert (expected_probs(logits, 0, 0.8, 0.1) > 0).sum() != min_p_after
+
+
+def test_the_cpu_cut_among_candidates_keeps_the_sorted_cut() -> None:
+    """On a CPU the top-k/top-p cut is found among each row's largest logits, widening, and a row sorted
+    only when its nucleus lies past them all: the same tokens as a sort of every row, ties included."""
+    g = torch.Generator().manual_seed(0)
+    vocab = 6000
+    x = torch.randn(8, vocab, generator=g) * 2
+    x[0] = x[0].round()  # ties at the cut
+    x[1, ::2] = float("-inf")
+    x[2] = 0.01 * torch.randn(vocab, generator=g)  # flat: top-p 0.95 keeps 5,694 ranks, so the row is sorted
+    x[3] = torch.randn(vocab, generator=g) * 1.5  # top-p 0.9 keeps 2,444: past 256 ranks, within 4,096
+    k = torch.tensor([7, vocab, vocab, vocab, 300, 40, vocab, 1])
+    p = torch.tensor([0.9, 0.8, 0.95, 0.9, 0.5, 1.0, 1.0, 0.3])
+    for top_k, top_p in ((k, p), (None, p), (k, None)):
+        cut = _top_k_top_p_among_candidates(x.clone(), top_k, top_p).isinf()
+        assert torch.equal(cut, _top_k_top_p(x.clone(), top_k, top_p).isinf())
+    assert (~_top_k_top_p_among_candidates(x.clone(), None, p).isinf()).sum(-1)[2:4].tolist() == [5694, 2444]
