@@ -71,6 +71,17 @@ def person_format(schema: dict = PERSON) -> dict:
     return {"type": "json_schema", "json_schema": {"name": "person", "schema": schema, "strict": True}}
 
 
+def check_person(text: str, reason: str | None) -> None:
+    """A finished reply validates. JSON's free whitespace (any_whitespace, vLLM's default) lets the default
+    model at temperature 1 loop on newlines until max_tokens in about 1% of requests (kiln: 7 of seeds
+    0-479; 4 of 160-479 with the sampler before): such a reply ends in the whitespace the grammar allowed."""
+    if reason == "length":
+        assert not text[-40:].strip(), text
+        return
+    assert reason == "stop", text
+    jsonschema.validate(json.loads(text), PERSON)
+
+
 def test_json_schema_holds_over_sampled_requests(client: openai.OpenAI) -> None:
     """20 requests at temperature 1.0, run as one batch: each parses and validates."""
 
@@ -84,8 +95,8 @@ def test_json_schema_holds_over_sampled_requests(client: openai.OpenAI) -> None:
     with ThreadPoolExecutor(20) as pool:
         replies = list(pool.map(one, range(20)))
     for text, reason in replies:
-        assert reason == "stop", text
-        jsonschema.validate(json.loads(text), PERSON)
+        check_person(text, reason)
+    assert sum(reason == "length" for _, reason in replies) <= 2  # at 1.5%, more has odds under 1 in 250
     assert len({text for text, _ in replies}) > 10  # sampled, not one answer
 
 
@@ -280,18 +291,18 @@ def test_constrained_and_free_rows_share_a_batch(client: openai.OpenAI) -> None:
     free = dict(model=MODEL, messages=ASK_WEATHER, max_tokens=40, temperature=0)
     alone = client.chat.completions.create(**free).choices[0].message.content
 
-    def constrained(seed: int) -> str:
+    def constrained(seed: int) -> tuple[str, str | None]:
         r = client.chat.completions.create(
             model=MODEL, messages=ASK_PERSON, response_format=person_format(), temperature=1.0, seed=seed,
             max_tokens=300,
         )  # fmt: skip
-        return r.choices[0].message.content
+        return r.choices[0].message.content, r.choices[0].finish_reason
 
     with ThreadPoolExecutor(5) as pool:
         futures = [pool.submit(constrained, s) for s in range(4)]
         beside = pool.submit(lambda: client.chat.completions.create(**free).choices[0].message.content)
         for f in futures:
-            jsonschema.validate(json.loads(f.result()), PERSON)
+            check_person(*f.result())
         assert beside.result() == alone
 
 

@@ -263,18 +263,24 @@ def test_filter_order_matters_in_the_cases_checked() -> None:
 
 
 def test_the_cpu_cut_among_candidates_keeps_the_sorted_cut() -> None:
-    """On a CPU the top-k/top-p cut is found among each row's largest logits, widening, and a row sorted
-    only when its nucleus lies past them all: the same tokens as a sort of every row, ties included."""
+    """On a CPU the top-k/top-p cut is found among each row's largest logits, widening, and a row ranked
+    whole only when its nucleus lies past them all: the same tokens as a sort of every row, ties included,
+    and the same for a row alone as in its batch (whose top-k may widen the candidates)."""
     g = torch.Generator().manual_seed(0)
     vocab = 6000
     x = torch.randn(8, vocab, generator=g) * 2
     x[0] = x[0].round()  # ties at the cut
     x[1, ::2] = float("-inf")
-    x[2] = 0.01 * torch.randn(vocab, generator=g)  # flat: top-p 0.95 keeps 5,694 ranks, so the row is sorted
+    x[2] = 0.01 * torch.randn(vocab, generator=g)  # flat: top-p 0.95 keeps 5,694 ranks, past 4,096
     x[3] = torch.randn(vocab, generator=g) * 1.5  # top-p 0.9 keeps 2,444: past 256 ranks, within 4,096
     k = torch.tensor([7, vocab, vocab, vocab, 300, 40, vocab, 1])
     p = torch.tensor([0.9, 0.8, 0.95, 0.9, 0.5, 1.0, 1.0, 0.3])
     for top_k, top_p in ((k, p), (None, p), (k, None)):
         cut = _top_k_top_p_among_candidates(x.clone(), top_k, top_p).isinf()
         assert torch.equal(cut, _top_k_top_p(x.clone(), top_k, top_p).isinf())
+        for row in range(len(x)):
+            k_row = None if top_k is None else top_k[row : row + 1]
+            p_row = None if top_p is None else top_p[row : row + 1]
+            alone = _top_k_top_p_among_candidates(x[row : row + 1].clone(), k_row, p_row).isinf()
+            assert torch.equal(alone[0], cut[row])
     assert (~_top_k_top_p_among_candidates(x.clone(), None, p).isinf()).sum(-1)[2:4].tolist() == [5694, 2444]
