@@ -85,6 +85,13 @@ def test_flashinfer_sampling_distribution(top_k: int, top_p: float, min_p: float
     check_distribution(draw_tokens, torch.device("cuda"), top_k, top_p, min_p)
 
 
+@pytest.mark.parametrize(("top_k", "top_p", "min_p"), CASES)
+def test_torch_sampling_distribution_on_cuda(top_k: int, top_p: float, min_p: float) -> None:
+    """The torch sampler (backend.sampler: torch) on the GPU: its sort-based cut and its one-uniform draw
+    against the same expectation."""
+    check_distribution(None, torch.device("cuda"), top_k, top_p, min_p)
+
+
 def test_flashinfer_seeded_row_is_independent_of_the_batch() -> None:
     """A seeded row's tokens do not depend on its neighbours' filters: FlashInfer's kernels for top-k/top-p,
     top-p alone and plain draws each use the generator differently, so the row's own filters must pick
