@@ -250,8 +250,8 @@ def test_sampling_distribution_follows_vllm_order(top_k: int, top_p: float, min_
 
 
 def test_filter_order_matters_in_the_cases_checked() -> None:
-    """The cases tell the orders apart: top-p on un-renormalised top-k, or min-p after top-p (vLLM's V0
-    order, and kiln's before it followed V1), keep other tokens."""
+    """The cases tell the orders apart: top-p on un-renormalised top-k, or min-p after top-p (vLLM V0's
+    order, which kiln followed before), keep other tokens."""
     logits = torch.randn(20, generator=torch.Generator().manual_seed(0)) * 1.5
     probs = logits.double().softmax(-1)
     ranked = probs.sort(descending=True).values
