@@ -4,6 +4,7 @@ ready; the memory profile runs the largest of them eagerly, to size the KV cache
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from pathlib import Path
 
@@ -17,6 +18,8 @@ from kiln.ops.sampler import Sampler
 from kiln.ops.sampling_metadata import Penalties, SamplingMetadata
 from kiln.sampling_params import SamplingParams
 
+log = logging.getLogger(__name__)
+
 # Triton builds a kernel apart for each kind of integer argument it specializes: 1, a multiple of 16, any
 # other. A kernel taking a row count, run outside the graphs, is warmed at one of each.
 TRITON_ROW_KINDS = (1, 2, 16)
@@ -26,14 +29,25 @@ class DummySteps:
     def __init__(self, runner: ModelRunner) -> None:
         self.runner = runner
 
-    def warmup(self, progress: bool, cache_file: Path | None) -> tuple[list[BucketReport], float]:
+    def warmup(self, progress: bool, cache_file: Path | None) -> tuple[list[BucketReport], dict[str, float]]:
         """Builds every graph (the lowering's warmup, through the compile cache), then every sampling
-        kernel; returns the per-bucket reports and the sampler's seconds."""
-        runner = self.runner
+        kernel; returns the per-bucket reports and the seconds of each part (compile, CUDA graph capture,
+        sampler)."""
+        runner, clock = self.runner, time.perf_counter()
+        cuda = runner.device.type == "cuda"
+        reserved = torch.cuda.memory_reserved(runner.device) / 2**30 if cuda else 0.0
         reports = runner.lowering.warmup(self.warm_step, runner.block_size, progress, cache_file)
+        graphs = runner.lowering.graphs
+        capture = graphs.seconds if graphs is not None else 0.0
+        timings = {"compile": time.perf_counter() - clock - capture}
+        if graphs is not None:
+            timings["CUDA graph capture"] = capture
+            log.info("CUDA graphs: %d captured in %.2f s, pool %.2f GiB", len(graphs.captured), capture,
+                     torch.cuda.memory_reserved(runner.device) / 2**30 - reserved)  # fmt: skip
         clock = time.perf_counter()
         self.warm_sampler()
-        return reports, time.perf_counter() - clock
+        timings["sampler"] = time.perf_counter() - clock
+        return reports, timings
 
     @torch.inference_mode()
     def warm_step(self, bucket: Bucket) -> None:

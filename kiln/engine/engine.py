@@ -125,20 +125,10 @@ class LLMEngine:
 
     def warmup(self, progress: bool = False) -> list[BucketReport]:
         """Builds every graph and kernel before the first request (DummySteps.warmup), timing each part."""
-        clock = time.perf_counter()
-        cuda = self.runner.device.type == "cuda"
-        reserved = torch.cuda.memory_reserved(self.runner.device) / 2**30 if cuda else 0.0
         cache_file = self.config.compile.cache_file
         cache = None if cache_file is None else Path(cache_file)
-        reports, sampler = DummySteps(self.runner).warmup(progress, cache)
-        graphs = self.runner.lowering.graphs
-        capture = graphs.seconds if graphs is not None else 0.0
-        self.timings["compile"] = time.perf_counter() - clock - capture - sampler
-        if graphs is not None:
-            self.timings["CUDA graph capture"] = capture
-            log.info("CUDA graphs: %d captured in %.2f s, pool %.2f GiB", len(graphs.captured), capture,
-                     torch.cuda.memory_reserved(self.runner.device) / 2**30 - reserved)  # fmt: skip
-        self.timings["sampler"] = sampler
+        reports, timings = DummySteps(self.runner).warmup(progress, cache)
+        self.timings.update(timings)
         if self.pinned is not None:
             threads.bind(self.pinned)
         return reports
