@@ -8,8 +8,8 @@ import torch
 
 from kiln.ops.sampler import (
     Sampler,
+    _draw_among_candidates,
     _top_k_top_p,
-    _top_k_top_p_among_candidates,
     apply_penalties,
     compute_logprobs,
 )
@@ -262,25 +262,46 @@ def test_filter_order_matters_in_the_cases_checked() -> None:
     assert (expected_probs(logits, 0, 0.8, 0.1) > 0).sum() != min_p_after
 
 
-def test_the_cpu_cut_among_candidates_keeps_the_sorted_cut() -> None:
+def test_the_cpu_draw_among_candidates_keeps_the_sorted_cut() -> None:
     """On a CPU the top-k/top-p cut is found among each row's largest logits, widening, and a row ranked
-    whole only when its nucleus lies past them all: the same tokens as a sort of every row, ties included,
-    and the same for a row alone as in its batch (whose top-k may widen the candidates)."""
+    whole only when its nucleus lies past them all; the row draws among the ranks it kept. Every token drawn
+    lies in the cut a sort of the whole row keeps (ties kept lowest id first), the most likely and the least
+    likely kept token are drawn at the ends of the uniform range, and a row draws the same alone as in its
+    batch (whose top-k may widen the candidates)."""
     g = torch.Generator().manual_seed(0)
     vocab = 6000
     x = torch.randn(8, vocab, generator=g) * 2
-    x[0] = x[0].round()  # ties at the cut
+    x[0] = x[0].round()  # ties at the cut and within it
     x[1, ::2] = float("-inf")
     x[2] = 0.01 * torch.randn(vocab, generator=g)  # flat: top-p 0.95 keeps 5,694 ranks, past 4,096
     x[3] = torch.randn(vocab, generator=g) * 1.5  # top-p 0.9 keeps 2,444: past 256 ranks, within 4,096
+    x[4] = torch.randn(vocab, generator=g) * 0.5  # top-k 300 and top-p 0.5 within it
     k = torch.tensor([7, vocab, vocab, vocab, 300, 40, vocab, 1])
     p = torch.tensor([0.9, 0.8, 0.95, 0.9, 0.5, 1.0, 1.0, 0.3])
+    ends = (torch.zeros(len(x)), torch.full((len(x),), 1 - 2**-24))
     for top_k, top_p in ((k, p), (None, p), (k, None)):
-        cut = _top_k_top_p_among_candidates(x.clone(), top_k, top_p).isinf()
-        assert torch.equal(cut, _top_k_top_p(x.clone(), top_k, top_p).isinf())
-        for row in range(len(x)):
-            k_row = None if top_k is None else top_k[row : row + 1]
-            p_row = None if top_p is None else top_p[row : row + 1]
-            alone = _top_k_top_p_among_candidates(x[row : row + 1].clone(), k_row, p_row).isinf()
-            assert torch.equal(alone[0], cut[row])
-    assert (~_top_k_top_p_among_candidates(x.clone(), None, p).isinf()).sum(-1)[2:4].tolist() == [5694, 2444]
+        kept = ~_top_k_top_p(x.clone(), top_k, top_p).isinf()
+        if top_p is not None:
+            assert kept.sum(-1)[2:4].tolist() == [5694, 2444]
+        for u in (*ends, torch.rand(len(x), generator=g)):
+            drawn = _draw_among_candidates(x.clone(), top_k, top_p, u)
+            assert kept.gather(1, drawn[:, None]).all()
+            for row in range(len(x)):
+                k_row = None if top_k is None else top_k[row : row + 1]
+                p_row = None if top_p is None else top_p[row : row + 1]
+                alone = _draw_among_candidates(x[row : row + 1].clone(), k_row, p_row, u[row : row + 1])
+                assert alone.item() == drawn[row].item()
+        first, final = (_draw_among_candidates(x.clone(), top_k, top_p, u) for u in ends)
+        # A row without a filter draws over the whole row, in id order.
+        cut = [
+            r
+            for r in range(1, len(x))
+            if (top_k is not None and k[r] < vocab) or (top_p is not None and p[r] < 1)
+        ]
+        assert first[cut].tolist() == x[cut].argmax(-1).tolist()
+        # The least likely kept token (its mass well above float32's rounding of the total here), where
+        # it is one token: rows 0 (ties) and 2 (flat) aside.
+        least = x.masked_fill(~kept, float("inf")).argmin(-1)
+        spread = x.amax(-1) - x.gather(1, least[:, None])[:, 0]
+        rows = [r for r in cut if r != 2 and spread[r] < 8]
+        assert len(rows) >= 3 and final[rows].tolist() == least[rows].tolist()
