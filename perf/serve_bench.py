@@ -31,6 +31,7 @@ import httpx
 
 from kiln.config import EngineConfig
 from kiln.engine.engine import LLMEngine
+from kiln.perf.client import sse_lines
 from kiln.sampling_params import SamplingParams
 
 log = logging.getLogger("serve_bench")
@@ -91,7 +92,7 @@ async def stream_one(client: httpx.AsyncClient, ids: list[int], output_len: int)
     usage = 0
     async with client.stream("POST", "/v1/completions", json=body) as r:
         r.raise_for_status()
-        async for line in r.aiter_lines():
+        async for line in sse_lines(r):
             if line.startswith('data: {"id"') and '"usage":{' in line:
                 usage = json.loads(line[6:])["usage"]["completion_tokens"]
     return usage

@@ -5,7 +5,9 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import re
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import httpx
@@ -24,6 +26,19 @@ class Endpoint:
 
     def headers(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+
+async def sse_lines(response: httpx.Response) -> AsyncIterator[str]:
+    """The stream's lines, ended as SSE ends them (LF, CRLF or CR). httpx's aiter_lines follows
+    str.splitlines, which also splits at U+0085, U+2028 and U+2029: JSON strings carry those unescaped, so a
+    sampled token's text would cut its event in two."""
+    rest = b""
+    async for part in response.aiter_bytes():
+        *lines, rest = re.split(rb"\r\n|\n|\r", rest + part)
+        for line in lines:
+            yield line.decode()
+    if rest:
+        yield rest.decode()
 
 
 async def send(client: httpx.AsyncClient, ep: Endpoint, prompt: Prompt, spec: Spec) -> RequestRecord:
@@ -45,7 +60,7 @@ async def send(client: httpx.AsyncClient, ep: Endpoint, prompt: Prompt, spec: Sp
                 await r.aread()
                 record.error = f"HTTP {r.status_code}: {r.text[:300]}"
                 return record
-            async for line in r.aiter_lines():
+            async for line in sse_lines(r):
                 if not line.startswith("data: "):
                     continue
                 data = line[6:]

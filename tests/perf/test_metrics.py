@@ -70,6 +70,16 @@ def test_client_counts_chunks_and_usage() -> None:
     assert 0 < r.ttft <= r.latency
 
 
+def test_client_splits_events_only_where_sse_ends_a_line() -> None:
+    """A chunk whose text holds U+0085, U+2028 and U+2029 (JSON leaves them unescaped; str.splitlines, and
+    so httpx's aiter_lines, splits at them) is one event."""
+    chunk = '{"choices": [{"index": 0, "text": "a\u0085b\u2028c\u2029d"}]}'.encode()
+    usage = b'{"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 2}}'
+    r = _replay([chunk, chunk, usage, b"[DONE]"])
+    assert r.success and r.error == ""
+    assert (r.output_tokens, len(r.itl)) == (2, 1)
+
+
 def test_client_records_a_failure_mid_stream() -> None:
     chunk = b'{"choices": [{"index": 0, "text": "ab"}]}'
     error = b'{"error": {"message": "the engine has died", "type": "ServiceUnavailableError", "code": 503}}'
