@@ -193,10 +193,10 @@ def _draw_among(
     rank = torch.arange(values.shape[-1])
     # Masses relative to the top token's; a prefix of a sequential cumsum is the same whatever the width.
     mass = (values - values[:, :1]).exp()
-    cum = mass.cumsum(dim=-1)
     keep = k.clamp_max(values.shape[-1])  # ranks kept
     found = torch.ones(len(logits), dtype=torch.bool)
     if bool(by_p.any()):
+        cum = mass.cumsum(dim=-1)
         # The whole row's mass as 1 / its top token's softmax: a softmax reduces each row in one thread, a
         # sum would split a lone row across threads.
         row_mass = 1 / logits.softmax(dim=-1).gather(1, top[:, :1])[:, 0]
@@ -205,18 +205,16 @@ def _draw_among(
         nucleus = ((before < p[:, None]) & (rank < keep[:, None])).sum(-1)
         found = ~by_p | by_k | (nucleus < values.shape[-1]) | (width >= vocab)
         keep = torch.where(by_p, nucleus, keep)
-    last = (keep - 1)[:, None]
-    total = cum.gather(1, last)
-    pick = torch.searchsorted(cum, uniform[:, None] * total, right=True)
-    # The last kept rank with any mass bounds the pick (rounding).
-    token = top.gather(1, torch.minimum(pick, torch.searchsorted(cum, total))).squeeze(1)
+    kept_mass = mass.masked_fill(rank >= keep[:, None], 0.0)
+    token = top.gather(1, invert_cdf(kept_mass, uniform)[:, None]).squeeze(1)
     # Equal finite logits among the kept ranks or at the cut: topk orders them as it likes, so which of them
     # are kept, and which slice of the mass each takes, would follow its order. Such rows keep the lowest
     # ids of a tie and draw over the whole row, in id order.
     tied = (values[:, :-1] == values[:, 1:]) & (rank[:-1] < keep[:, None]) & (values[:, 1:] > float("-inf"))
     tied = tied.any(-1) & found
     if bool(tied.any()):
-        token[tied] = _draw_tied(logits[tied], keep[tied], values.gather(1, last)[tied], uniform[tied])
+        last = values.gather(1, (keep - 1)[:, None])
+        token[tied] = _draw_tied(logits[tied], keep[tied], last[tied], uniform[tied])
     return token, found
 
 
