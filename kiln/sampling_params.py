@@ -40,6 +40,8 @@ class SamplingParams(msgspec.Struct, kw_only=True):
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
     logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None  # the only tokens it may sample
+    bad_words: list[str] = msgspec.field(default_factory=list)  # words it may not generate
     seed: int | None = None
     max_tokens: int | None = 16  # None: up to max_model_len
     min_tokens: int = 0
@@ -50,6 +52,7 @@ class SamplingParams(msgspec.Struct, kw_only=True):
     skip_special_tokens: bool = True
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    truncate_prompt_tokens: int | None = None  # keep the prompt's last k tokens; -1: as many as fit
     structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
@@ -78,11 +81,18 @@ class SamplingParams(msgspec.Struct, kw_only=True):
                 "must be non-negative",
             ),
             ("stop", all(s for s in self.stop), "must not contain empty strings"),
+            (
+                "allowed_token_ids",
+                self.allowed_token_ids is None or len(self.allowed_token_ids) > 0,
+                "must not be empty",
+            ),
+            ("bad_words", all(w.strip() for w in self.bad_words), "must not contain empty words"),
             ("seed", self.seed is None or -(2**63) <= self.seed < 2**63, "must fit in 64 bits"),
         ]
         for name, ok, why in checks:
             if not ok:
                 raise ValueError(f"{name} {why}, got {getattr(self, name)!r}")
+        check_truncation(self.truncate_prompt_tokens)
 
     @property
     def greedy(self) -> bool:
@@ -95,3 +105,21 @@ class SamplingParams(msgspec.Struct, kw_only=True):
     @property
     def top_k_or_off(self) -> int:
         return self.top_k if self.top_k > 0 else 0
+
+
+def truncate_prompt(
+    ids: list[int], keep: int | None, max_tokens: int | None, max_model_len: int
+) -> list[int]:
+    """The prompt's last `keep` tokens, as vLLM truncates (from the left); keep -1: as many as leave room
+    for max_tokens (for one token when unset) within max_model_len."""
+    check_truncation(keep)
+    if keep is None:
+        return ids
+    if keep == -1:
+        keep = max(max_model_len - (max_tokens or 1), 1)
+    return ids[-keep:]
+
+
+def check_truncation(keep: int | None) -> None:
+    if keep is not None and keep != -1 and keep < 1:
+        raise ValueError(f"truncate_prompt_tokens must be -1 or at least 1, got {keep!r}")

@@ -26,7 +26,9 @@ from kiln.api.serving import (
     ChoiceDelta,
     constraint,
     final_outputs,
+    include_usage,
     merged,
+    prompt_logprobs,
     sampling_params,
     start_all,
     stream_response,
@@ -36,6 +38,7 @@ from kiln.api.tool_calls import ToolCallStream, forced_call_schema
 from kiln.engine.async_engine import AsyncEngine
 from kiln.engine.engine import MAX_LOGPROBS
 from kiln.engine.request import PositionLogprobs
+from kiln.sampling_params import truncate_prompt
 
 
 async def create_chat_completion(
@@ -55,15 +58,15 @@ async def create_chat_completion(
     ids = await inputs.chat_ids(body.messages, body.add_generation_prompt, body.chat_template_kwargs, tools)
     k = (body.top_logprobs or 0) if body.logprobs else None
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-    params = sampling_params(body, len(ids), engine.max_model_len, max_tokens, k, None, so)
+    ids = truncate_prompt(ids, body.truncate_prompt_tokens, max_tokens, engine.max_model_len)
+    params = sampling_params(body, len(ids), engine.max_model_len, max_tokens, k, body.prompt_logprobs, so)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     streams = start_all(engine, rid, [ids], [params])
     if body.stream:
-        usage_chunk = None
-        if body.stream_options is not None and body.stream_options.include_usage:
-            usage_chunk = functools.partial(ChatCompletionChunk, id=rid, model=model)
+        final_usage, continuous = include_usage(body)
+        usage_chunk = functools.partial(ChatCompletionChunk, id=rid, model=model) if final_usage else None
         chunks = _Chunks(rid, model, k, calls, call_name)
-        return stream_response(merged(streams), 1, chunks, usage_chunk)
+        return stream_response(merged(streams), 1, chunks, usage_chunk, continuous)
     outputs = await final_outputs(request, streams)
     if outputs is None:
         return None
@@ -76,7 +79,13 @@ async def create_chat_completion(
             message = AssistantMessage(c.text)
         logprobs = None if k is None else chat_logprobs(c.token_ids, c.logprobs or [], k)
         choices.append(ChatChoice(c.index, message, logprobs, _finish(c.finish_reason, calls), c.stop_reason))
-    return ChatCompletionResponse(id=rid, model=model, choices=choices, usage=usage(outputs))
+    return ChatCompletionResponse(
+        id=rid,
+        model=model,
+        choices=choices,
+        usage=usage(outputs),
+        prompt_logprobs=prompt_logprobs(out, body.prompt_logprobs),
+    )
 
 
 def _finish(reason: str | None, calls: bool) -> str | None:

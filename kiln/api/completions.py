@@ -24,7 +24,9 @@ from kiln.api.serving import (
     ChoiceDelta,
     constraint,
     final_outputs,
+    include_usage,
     merged,
+    prompt_logprobs,
     sampling_params,
     start_all,
     stream_response,
@@ -44,36 +46,37 @@ async def create_completion(
     if body.best_of is not None and body.best_of != body.n:
         raise APIError(400, "best_of must equal n: kiln does not rank samples", "best_of")
     inputs.check_request(body)
-    prompts = await inputs.completion_prompts(body)
-    texts = [p.text or "" for p in prompts]
     # As vLLM: echo with max_tokens 0 returns the prompt alone (with its logprobs if asked). The engine
     # runs the prefill that scores the prompt and samples one token, which is dropped.
     prompt_only = body.echo and body.max_tokens == 0
     max_tokens = 1 if prompt_only else body.max_tokens
+    prompts = await inputs.completion_prompts(body, max_tokens)
+    texts = [p.text or "" for p in prompts]
+    # The prompt's logprobs serve echo's logprobs and vLLM's prompt_logprobs: the engine scores the more.
     echo_logprobs = body.logprobs if body.echo and body.logprobs is not None else None
+    scored = [k for k in (echo_logprobs, body.prompt_logprobs) if k is not None]
     so = await constraint(engine, inputs, body)
     params = [
-        sampling_params(body, len(p.ids), engine.max_model_len, max_tokens, body.logprobs, echo_logprobs, so)
+        sampling_params(
+            body, len(p.ids), engine.max_model_len, max_tokens, body.logprobs, max(scored, default=None), so
+        )
         for p in prompts
     ]
     rid = f"cmpl-{uuid.uuid4().hex}"
     streams = start_all(engine, rid, [p.ids for p in prompts], params)
     if body.stream:
-        usage_chunk = None
-        if body.stream_options is not None and body.stream_options.include_usage:
-            usage_chunk = functools.partial(CompletionResponse, id=rid, model=model)
+        final_usage, continuous = include_usage(body)
+        usage_chunk = functools.partial(CompletionResponse, id=rid, model=model) if final_usage else None
         chunks = functools.partial(_chunks, rid, model, body, texts, engine.tokenizer)
         outputs = _without_completions(merged(streams)) if prompt_only else merged(streams)
-        return stream_response(outputs, body.n, chunks, usage_chunk)
+        return stream_response(outputs, body.n, chunks, usage_chunk, continuous)
     finals = await final_outputs(request, streams)
     if finals is None:
         return None
     if prompt_only:
         finals = [_prompt_alone(out) for out in finals]
     choices = [
-        _choice(
-            i * body.n + c.index, out, c, texts[i] if body.echo else None, body.logprobs, engine.tokenizer
-        )
+        _choice(i * body.n + c.index, out, c, texts[i] if body.echo else None, body, engine.tokenizer)
         for i, out in enumerate(finals)
         for c in out.outputs
     ]
@@ -97,10 +100,15 @@ async def _without_completions(
 
 
 def _choice(
-    index: int, out: RequestOutput, c: CompletionOutput, echo: str | None, k: int | None, tokenizer: Any
+    index: int,
+    out: RequestOutput,
+    c: CompletionOutput,
+    echo: str | None,
+    body: CompletionRequest,
+    tokenizer: Any,
 ) -> CompletionChoice:
     text = c.text if echo is None else echo + c.text
-    logprobs = None
+    k, logprobs = body.logprobs, None
     if k is not None:
         positions: list[PositionLogprobs | None] = []
         ids: list[int] = []
@@ -110,7 +118,8 @@ def _choice(
         positions += c.logprobs or []
         ids += c.token_ids
         logprobs = completion_logprobs(ids, positions, k, 0, tokenizer)
-    return CompletionChoice(index, text, logprobs, c.finish_reason, c.stop_reason)
+    plp = prompt_logprobs(out, body.prompt_logprobs)
+    return CompletionChoice(index, text, logprobs, c.finish_reason, c.stop_reason, plp)
 
 
 def completion_logprobs(

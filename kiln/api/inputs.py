@@ -19,7 +19,9 @@ import msgspec
 from kiln.api.errors import APIError
 from kiln.api.protocol import ChatMessage, CompletionRequest, Tool, _SamplingRequest
 from kiln.config import ServerConfig
+from kiln.engine.bad_words import MAX_BAD_WORDS
 from kiln.engine.chat_template import render_chat
+from kiln.sampling_params import truncate_prompt
 
 T = TypeVar("T")
 
@@ -48,6 +50,7 @@ class Inputs:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.check_prompt = check_prompt  # the engine's: token ids in range, room left to generate
+        self.max_model_len = max_model_len
         self.limits = limits
         longest = max(map(len, tokenizer.get_vocab()))
         self.max_prompt_chars = limits.max_prompt_chars or 2 * max_model_len * longest
@@ -78,9 +81,22 @@ class Inputs:
         lim = self.limits
         if body.n > lim.max_n_sequences:
             raise APIError(400, f"n must be at most {lim.max_n_sequences} (server.max_n_sequences)", "n")
-        for name in ("logit_bias", "stop_token_ids"):  # more entries than tokens repeat or are out of range
+        # More entries than tokens repeat or are out of range.
+        for name in ("logit_bias", "stop_token_ids", "allowed_token_ids"):
             if len(getattr(body, name) or ()) > self.vocab_size:
                 raise APIError(400, f"{name} may hold at most {self.vocab_size} entries", name)
+        # The engine tokenizes bad words on the event loop: a bounded few.
+        words = body.bad_words or []
+        if len(words) > MAX_BAD_WORDS or sum(map(len, words)) > INLINE_SIZE:
+            raise APIError(
+                400,
+                f"bad_words may hold at most {MAX_BAD_WORDS} words of {INLINE_SIZE} characters in all",
+                "bad_words",
+            )
+        if body.stream_options is not None and not body.stream:
+            raise APIError(400, "Stream options can only be defined when `stream=True`.", "stream_options")
+        if body.prompt_logprobs is not None and body.stream:
+            raise APIError(400, "`prompt_logprobs` are not available when `stream=True`.", "prompt_logprobs")
         stops = 1 if isinstance(body.stop, str) else len(body.stop or [])
         if stops > lim.max_stop_strings:
             raise APIError(
@@ -98,10 +114,14 @@ class Inputs:
 
     # -- completions ----------------------------------------------------------------------------
 
-    async def completion_prompts(self, body: CompletionRequest) -> list[Prompt]:
-        return await self.run(self._completion_prompts, body.prompt, body.echo)
+    async def completion_prompts(self, body: CompletionRequest, max_tokens: int | None) -> list[Prompt]:
+        """max_tokens: what the request generates, for truncate_prompt_tokens -1."""
+        keep = body.truncate_prompt_tokens
+        return await self.run(self._completion_prompts, body.prompt, body.echo, keep, max_tokens)
 
-    def _completion_prompts(self, prompt: Any, echo: bool) -> list[Prompt]:
+    def _completion_prompts(
+        self, prompt: Any, echo: bool, keep: int | None, max_tokens: int | None
+    ) -> list[Prompt]:
         prompts = prompt_list(prompt)
         if len(prompts) > self.limits.max_completion_prompts:
             raise APIError(
@@ -113,14 +133,16 @@ class Inputs:
         self._check_chars(max(len(p) if isinstance(p, str) else 0 for p in prompts), "prompt")
         out = []
         for p in prompts:
-            if isinstance(p, str):
-                out.append(Prompt(self.tokenizer.encode(p), p))
+            ids = self.tokenizer.encode(p) if isinstance(p, str) else p
+            kept = truncate_prompt(ids, keep, max_tokens, self.max_model_len)
+            if isinstance(p, str) and len(kept) == len(ids):
+                out.append(Prompt(ids, p))
                 continue
             try:
-                self.check_prompt(p)
+                self.check_prompt(kept)
             except ValueError as e:
                 raise APIError(400, str(e), "prompt") from None
-            out.append(Prompt(p, self.tokenizer.decode(p) if echo else None))
+            out.append(Prompt(kept, self.tokenizer.decode(kept) if echo else None))
         return out
 
     # -- chat and tokenize ----------------------------------------------------------------------

@@ -9,6 +9,7 @@ from typing import Any, Literal
 
 import msgspec
 
+from kiln.engine.request import PositionLogprobs
 from kiln.sampling_params import StructuredOutputsParams
 
 # -- requests --------------------------------------------------------------------------------------
@@ -20,6 +21,7 @@ class _Strict(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
 class StreamOptions(_Strict):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: usage so far in every chunk too (with include_usage)
 
 
 class JsonSchemaFormat(_Strict):
@@ -60,6 +62,10 @@ class _SamplingRequest(_Strict):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     structured_outputs: StructuredOutputsParams | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    truncate_prompt_tokens: int | None = None
+    prompt_logprobs: int | None = None
 
 
 class CompletionRequest(_SamplingRequest, kw_only=True):
@@ -168,6 +174,7 @@ class CompletionChoice(msgspec.Struct):
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_logprobs: list[PositionLogprobs | None] | None = None  # vLLM's, whole responses only
 
 
 class CompletionResponse(msgspec.Struct, kw_only=True):
@@ -215,6 +222,7 @@ class ChatCompletionResponse(msgspec.Struct, kw_only=True):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    prompt_logprobs: list[PositionLogprobs | None] | None = None  # vLLM's
     object: Literal["chat.completion"] = "chat.completion"
     created: int = msgspec.field(default_factory=_now)
 

@@ -18,6 +18,7 @@ from kiln.api.inputs import Inputs
 from kiln.api.protocol import Usage, _SamplingRequest
 from kiln.engine.async_engine import AsyncEngine, RequestStream
 from kiln.engine.output import CompletionOutput, RequestOutput, merge
+from kiln.engine.request import PositionLogprobs
 from kiln.sampling_params import SamplingParams, StructuredOutputsParams
 
 log = logging.getLogger(__name__)
@@ -35,7 +36,8 @@ def sampling_params(
     structured_outputs: StructuredOutputsParams | None = None,
 ) -> SamplingParams:
     """OpenAI fields (None means the OpenAI default) to SamplingParams; a prompt plus max_tokens that
-    would not fit in the model's context is a 400, as in vLLM."""
+    would not fit in the model's context is a 400, as in vLLM. The prompt comes truncated already
+    (truncate_prompt_tokens)."""
     room = max_model_len - prompt_len
     if max_tokens is not None and max_tokens > room:
         raise APIError(
@@ -75,6 +77,8 @@ def sampling_params(
         logprobs=logprobs,
         prompt_logprobs=prompt_logprobs,
         structured_outputs=structured_outputs,
+        allowed_token_ids=body.allowed_token_ids,
+        bad_words=body.bad_words or [],
         **{k: v for k, v in optional.items() if v is not None},
     )
 
@@ -200,19 +204,22 @@ class ChoiceDelta:
 def stream_response(
     outputs: AsyncIterator[tuple[int, RequestOutput]],
     n: int,
-    chunks: Callable[[list[ChoiceDelta]], list[msgspec.Struct]],
+    chunks: Callable[[list[ChoiceDelta]], list[Any]],
     usage_chunk: Callable[..., msgspec.Struct] | None,
+    continuous_usage: bool = False,
 ) -> StreamingResponse:
     """What both endpoints stream: each engine output (from `merged`) as the endpoint's chunks of choice
-    deltas; then, with usage_chunk (the endpoint's chunk type), one chunk without choices with the usage."""
-    return _sse(_events(outputs, n, chunks, usage_chunk))
+    deltas; then, with usage_chunk (the endpoint's chunk type), one chunk without choices with the usage.
+    continuous_usage (vLLM's continuous_usage_stats): every chunk also carries the usage so far."""
+    return _sse(_events(outputs, n, chunks, usage_chunk, continuous_usage))
 
 
 async def _events(
     outputs: AsyncIterator[tuple[int, RequestOutput]],
     n: int,
-    chunks: Callable[[list[ChoiceDelta]], list[msgspec.Struct]],
+    chunks: Callable[[list[ChoiceDelta]], list[Any]],
     usage_chunk: Callable[..., msgspec.Struct] | None,
+    continuous_usage: bool,
 ) -> AsyncIterator[msgspec.Struct]:
     sent: dict[int, int] = {}  # choice index -> characters sent
     prompt_tokens: dict[int, int] = {}
@@ -225,17 +232,41 @@ async def _events(
             sent[index] = sent.get(index, 0) + len(c.text)
             completion_tokens += len(c.token_ids)
         prompt_tokens[i] = len(out.prompt_token_ids)
+        so_far = _usage(sum(prompt_tokens.values()), completion_tokens) if continuous_usage else None
         for chunk in chunks(deltas):
+            if so_far is not None:
+                chunk.usage = so_far
             yield chunk
     if usage_chunk is not None:
-        prompt = sum(prompt_tokens.values())
-        yield usage_chunk(choices=[], usage=Usage(prompt, completion_tokens, prompt + completion_tokens))
+        yield usage_chunk(choices=[], usage=_usage(sum(prompt_tokens.values()), completion_tokens))
+
+
+def _usage(prompt: int, completion: int) -> Usage:
+    return Usage(prompt, completion, prompt + completion)
+
+
+def include_usage(body: _SamplingRequest) -> tuple[bool, bool]:
+    """stream_options as vLLM reads them: (a usage chunk at the end, usage in every chunk too)."""
+    opts = body.stream_options
+    if opts is None or not opts.include_usage:
+        return False, False
+    return True, opts.continuous_usage_stats
 
 
 def usage(outputs: list[RequestOutput]) -> Usage:
     prompt = sum(len(o.prompt_token_ids) for o in outputs)
-    completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
-    return Usage(prompt, completion, prompt + completion)
+    return _usage(prompt, sum(len(c.token_ids) for o in outputs for c in o.outputs))
+
+
+def prompt_logprobs(out: RequestOutput, k: int | None) -> list[PositionLogprobs | None] | None:
+    """vLLM's prompt_logprobs of one prompt: each position's token and its k most likely (the engine may
+    have computed more, for echo's logprobs)."""
+    if k is None or out.prompt_logprobs is None:
+        return None
+    return [
+        None if entry is None else {t: lp for t, lp in entry.items() if lp.rank <= k or t == token}
+        for token, entry in zip(out.prompt_token_ids, out.prompt_logprobs, strict=True)
+    ]
 
 
 def _sse(events: AsyncIterator[msgspec.Struct]) -> StreamingResponse:

@@ -15,6 +15,7 @@ from kiln.compile.buckets import BucketPlan
 from kiln.compile.cache import CompileCache, import_builds, point_caches
 from kiln.compile.lowering import BucketReport
 from kiln.config import EngineConfig
+from kiln.engine.bad_words import BadWords, tokenize_bad_words
 from kiln.engine.block_manager import BlockManager
 from kiln.engine.constraint import Constraint
 from kiln.engine.detokenizer import IncrementalDetokenizer, SequenceText
@@ -32,7 +33,7 @@ from kiln.ops.backend import choose_backend
 from kiln.ops.cpu import threads
 from kiln.paths import cache_root
 from kiln.platform import resolve_device
-from kiln.sampling_params import SamplingParams
+from kiln.sampling_params import SamplingParams, truncate_prompt
 
 log = logging.getLogger(__name__)
 
@@ -141,8 +142,11 @@ class LLMEngine:
 
     # -- admission ----------------------------------------------------------------------------
 
-    def tokenize(self, prompt: str | list[int]) -> list[int]:
+    def tokenize(self, prompt: str | list[int], params: SamplingParams | None = None) -> list[int]:
+        """The prompt's ids, truncated as params ask."""
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        if params is not None:
+            ids = truncate_prompt(ids, params.truncate_prompt_tokens, params.max_tokens, self.max_model_len)
         self.check_prompt(ids)
         return ids
 
@@ -165,10 +169,12 @@ class LLMEngine:
             k = getattr(params, name)
             if k is not None and k > MAX_LOGPROBS:
                 raise ValueError(f"{name} must be at most {MAX_LOGPROBS}, got {k}")
-        for name in ("logit_bias", "stop_token_ids"):
+        for name in ("logit_bias", "stop_token_ids", "allowed_token_ids"):
             bad = [t for t in getattr(params, name) or () if not 0 <= t < vocab]
             if bad:
                 raise ValueError(f"{name} token ids must be in [0, {vocab}), got {bad[:4]}")
+        if params.bad_words:
+            tokenize_bad_words(self.tokenizer, params.bad_words, vocab)
         if params.structured_outputs is not None:
             self.grammars.check(params.structured_outputs)
 
@@ -177,7 +183,8 @@ class LLMEngine:
         if request_id in self.output.parents:
             raise ValueError(f"request id {request_id!r} is already in use")
         self.check_params(params)
-        ids = self.tokenize(prompt)
+        ids = self.tokenize(prompt, params)
+        bad_words = tokenize_bad_words(self.tokenizer, params.bad_words, self.model.dims.vocab_size)
         so = params.structured_outputs
         constraint = None if so is None else self.grammars.check(so)  # parsed once, for every child
         children = []
@@ -193,7 +200,7 @@ class LLMEngine:
                 )
             )
             child_id = f"{request_id}-{i}" if params.n > 1 else request_id
-            children.append(self._request(child_id, request_id, ids, p, constraint))
+            children.append(self._request(child_id, request_id, ids, p, constraint, bad_words))
         parent = Parent(request_id, prompt if isinstance(prompt, str) else None, children)
         self.output.parents[request_id] = parent
         for child in children:
@@ -206,6 +213,7 @@ class LLMEngine:
         ids: list[int],
         p: SamplingParams,
         constraint: Constraint | None,
+        bad_words: BadWords = (),
     ) -> Request:
         banned = (
             []
@@ -227,6 +235,7 @@ class LLMEngine:
             generator=generator,
             min_tokens_banned=banned,
             stop_ids=frozenset(p.stop_token_ids),
+            bad_words=bad_words,
             grammar=None if constraint is None else self.grammars.start(constraint),
             logprobs=[] if p.logprobs is not None else None,
             prompt_logprobs=[None] if p.prompt_logprobs is not None else None,
@@ -253,8 +262,9 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if batch.requests:
             land = None
-            if last is not None and last.constrained:
-                # This step's bitmasks need the last one's tokens: they land while its forward runs.
+            if last is not None and last.read_next:
+                # This step's bitmasks and bad words need the last one's tokens: they land while its
+                # forward runs.
                 landing, last = last, None
 
                 def land() -> None:

@@ -5,6 +5,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kiln.engine.bad_words import BadWords, banned_next
 from kiln.engine.detokenizer import SequenceText
 from kiln.engine.grammar import SequenceGrammar
 from kiln.sampling_params import SamplingParams
@@ -43,6 +44,7 @@ class Request:
     generator: torch.Generator | None = None
     min_tokens_banned: list[int] = field(default_factory=list)  # EOS and stop ids, until min_tokens
     stop_ids: frozenset[int] = frozenset()  # params.stop_token_ids, checked against every output token
+    bad_words: BadWords = ()  # params.bad_words as token sequences
     grammar: SequenceGrammar | None = None  # params.structured_outputs, compiled
     status: Status = Status.WAITING
     num_computed_tokens: int = 0
@@ -59,9 +61,11 @@ class Request:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     prompt_token_ids: list[int] = field(init=False)  # a copy made once: outputs share it every step
+    bad_prefixes: bool = field(init=False)  # some bad word has several tokens
 
     def __post_init__(self) -> None:
         self.prompt_token_ids = self.token_ids[: self.num_prompt_tokens]
+        self.bad_prefixes = any(len(w) > 1 for w in self.bad_words)
 
     @property
     def num_tokens(self) -> int:
@@ -78,7 +82,17 @@ class Request:
     @property
     def banned_ids(self) -> list[int]:
         produced = self.num_output_tokens + self.num_pending
-        return self.min_tokens_banned if produced < self.params.min_tokens else []
+        banned = self.min_tokens_banned if produced < self.params.min_tokens else []
+        if self.bad_words:
+            # A word's prefix is matched against tokens on the host: the engine lands them first.
+            assert self.num_pending == 0 or not self.reads_output, "a bad word's prefix needs its tokens"
+            banned = banned + banned_next(self.bad_words, self.token_ids, self.num_prompt_tokens)
+        return banned
+
+    @property
+    def reads_output(self) -> bool:
+        """Its next sampling reads its last tokens on the host: a grammar's state, a bad word's prefix."""
+        return self.bad_prefixes or (self.grammar is not None and self.grammar.active)
 
     @property
     def ends_by_length(self) -> bool:

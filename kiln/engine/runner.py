@@ -143,7 +143,7 @@ class ModelRunner:
         out = self.sampler(logits, meta)
         self.token_counts.update(out.token_ids)
         self.last_tokens, self.last_rows = out.token_ids, {r: j for j, r in enumerate(sampled)}
-        return StepResult.launched(sampled, out, prompt_logprobs, constrained=allowed is not None)
+        return StepResult.launched(sampled, out, prompt_logprobs, any(r.reads_output for r in sampled))
 
     def _allowed(self, sampled: list[Request]) -> tuple[torch.Tensor, list[int]] | None:
         """The token bitmask of the rows under a grammar, and which rows those are."""

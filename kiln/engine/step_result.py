@@ -26,7 +26,7 @@ class StepResult:
     sampled: list[Request]  # requests that reached the end of their tokens and got a new one
     output: SamplerOutput | None
     prompt_logprobs: dict[Request, PromptLogprobs]  # this step's rows of prompt logprobs
-    constrained: bool = False  # a grammar masked some row: the next step's bitmask needs its tokens
+    read_next: bool = False  # the next step's sampling reads its tokens on the host (Request.reads_output)
     done: torch.cuda.Event | None = None  # recorded after the copies; None where the host is the device
 
     @classmethod
@@ -35,14 +35,14 @@ class StepResult:
         sampled: list[Request],
         out: SamplerOutput | None,
         prompt_logprobs: dict[Request, PromptLogprobs],
-        constrained: bool = False,
+        read_next: bool = False,
     ) -> StepResult:
         """The results of a step just launched; nothing here waits for a GPU to run it."""
         on_gpu = (out is not None and out.token_ids.is_cuda) or any(
             pl.ids.is_cuda for pl in prompt_logprobs.values()
         )
         if not on_gpu:
-            return cls(sampled, out, prompt_logprobs, constrained)
+            return cls(sampled, out, prompt_logprobs, read_next)
         if out is not None:
             fields = (out.token_ids, out.logprob_token_ids, out.logprobs, out.ranks)
             out = SamplerOutput(*(None if t is None else _host(t) for t in fields))
@@ -52,7 +52,7 @@ class StepResult:
         }
         done = torch.cuda.Event()
         done.record()
-        return cls(sampled, out, prompt_logprobs, constrained, done)
+        return cls(sampled, out, prompt_logprobs, read_next, done)
 
     def wait(self) -> None:
         if self.done is not None:

@@ -58,8 +58,16 @@ class Sampler:
         if meta.allowed is not None:
             self.mask(logits, *meta.allowed)
         # All greedy with no penalty, bias or ban: preparing would copy the logits and divide by 1.
-        plain = meta.all_greedy and meta.penalties is None and meta.logit_bias is None and meta.banned is None
+        plain = (
+            meta.all_greedy
+            and meta.penalties is None
+            and meta.logit_bias is None
+            and meta.banned is None
+            and meta.only is None
+        )
         processed = logits if plain else self.prepare(logits, meta)
+        if meta.only is not None:
+            keep_only(processed, *meta.only)
         token_ids = self.argmax(processed)
         if not meta.all_greedy:
             token_ids = torch.where(meta.greedy, token_ids, self.draw(processed, meta, self.generator))
@@ -79,6 +87,15 @@ def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) 
     xgr.apply_token_bitmask_inplace(
         logits, to_device(bitmask.numpy(), None, device), indices=to_device(rows, torch.int32, device)
     )
+
+
+def keep_only(logits: torch.Tensor, rows: torch.Tensor, which: torch.Tensor, ids: torch.Tensor) -> None:
+    """allowed_token_ids, in place on prepared logits: -inf on the given rows but for their ids (ids[j] is
+    allowed on rows[which[j]]). After penalties and temperature, which leave -inf as it is; logprobs, from
+    the logits before, stay the model's own, as vLLM's."""
+    keep = torch.zeros(len(rows), logits.shape[-1], dtype=torch.bool, device=logits.device)
+    keep[which, ids] = True
+    logits[rows] = logits[rows].masked_fill_(~keep, float("-inf"))
 
 
 def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:

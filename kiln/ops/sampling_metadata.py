@@ -88,6 +88,7 @@ class SamplingMetadata:
     penalties: Penalties | None
     logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None  # (rows, token ids, values)
     banned: tuple[torch.Tensor, torch.Tensor] | None  # (rows, token ids)
+    only: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None  # allowed_token_ids: (rows, which row, ids)
     seeded: dict[int, Seeded]  # row -> its own generator and filters, for seeded random rows only
     want_logprobs: bool  # some row asked for logprobs, possibly 0 (the sampled token's only)
     max_logprobs: int  # max over rows of params.logprobs (0 when none asked)
@@ -124,6 +125,8 @@ class SamplingMetadata:
             raise ValueError(f"logit_bias token ids must be in [0, {vocab_size})")
         # A banned id outside the vocabulary can never be sampled anyway.
         banned = [(row, tok) for row, ids in enumerate(banned_ids) for tok in ids if 0 <= tok < vocab_size]
+        only_rows = [row for row, p in enumerate(params) if p.allowed_token_ids is not None]
+        only = [(i, tok) for i, row in enumerate(only_rows) for tok in params[row].allowed_token_ids or ()]
 
         def tensor(values: list, dtype: torch.dtype) -> torch.Tensor:
             return to_device(values, dtype, device)
@@ -145,6 +148,13 @@ class SamplingMetadata:
             else None,
             banned=(tensor([r for r, _ in banned], torch.int64), tensor([t for _, t in banned], torch.int64))
             if banned
+            else None,
+            only=(
+                tensor(only_rows, torch.int64),
+                tensor([i for i, _ in only], torch.int64),
+                tensor([t for _, t in only], torch.int64),
+            )
+            if only_rows
             else None,
             seeded={
                 row: Seeded(

@@ -41,6 +41,15 @@ def test_wrong_type(server: Server, path: str, body: dict, param: str) -> None:
         ({"frequency_penalty": 3}, "frequency_penalty"),
         ({"logit_bias": {"not-a-token": 1}}, "logit_bias"),
         ({"logit_bias": {"99999999": 1}}, "logit_bias"),
+        ({"allowed_token_ids": []}, "allowed_token_ids"),
+        ({"allowed_token_ids": [99999999]}, "allowed_token_ids"),
+        ({"bad_words": [" "]}, "bad_words"),
+        ({"bad_words": ["w"] * 129}, "bad_words"),
+        ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
+        ({"prompt_logprobs": 21}, "prompt_logprobs"),
+        ({"prompt_logprobs": -1}, "prompt_logprobs"),
+        ({"prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),
+        ({"stream_options": {"include_usage": True}}, "stream_options"),
     ],
 )
 def test_out_of_range(server: Server, body: dict, param: str) -> None:

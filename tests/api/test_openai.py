@@ -164,6 +164,101 @@ def test_vllm_extra_body(client: openai.OpenAI) -> None:
     assert r.usage.completion_tokens == 6 and r.choices[0].text.startswith(" Paris")
 
 
+def test_allowed_token_ids_and_bad_words(client: openai.OpenAI, server: Server) -> None:
+    def ids(text: str) -> list[int]:
+        return httpx.post(f"{server.url}/tokenize", json={"prompt": text}).json()["tokens"]
+
+    pets = [ids(" cat")[0], ids(" dog")[0]]
+    r = client.completions.create(
+        model=MODEL,
+        prompt="My favourite animal is",
+        max_tokens=6,
+        seed=1,
+        extra_body={"allowed_token_ids": pets},
+    )
+    assert set(re.findall(r" \w+", r.choices[0].text)) <= {" cat", " dog"} and r.usage.completion_tokens == 6
+    base = client.completions.create(
+        model=MODEL, prompt="The capital of France is", temperature=0, max_tokens=4
+    )
+    assert base.choices[0].text.startswith(" Paris")
+    r = client.chat.completions.create(
+        model=MODEL, messages=QUESTION, temperature=0, max_tokens=24, extra_body={"bad_words": ["Paris"]}
+    )
+    assert "Paris" not in r.choices[0].message.content
+    r = client.completions.create(
+        model=MODEL,
+        prompt="The capital of France is",
+        temperature=0,
+        max_tokens=4,
+        extra_body={"bad_words": ["Paris"]},
+    )
+    assert "Paris" not in r.choices[0].text
+
+
+def test_truncate_prompt_tokens_keeps_the_end(client: openai.OpenAI, server: Server) -> None:
+    text = "Count with me: one, two, three, four, five, six, seven, eight, nine, ten,"
+    ids = httpx.post(f"{server.url}/tokenize", json={"prompt": text}).json()["tokens"]
+    whole = client.completions.create(model=MODEL, prompt=ids[-6:], temperature=0, max_tokens=3, echo=True)
+    cut = client.completions.create(
+        model=MODEL,
+        prompt=text,
+        temperature=0,
+        max_tokens=3,
+        echo=True,
+        extra_body={"truncate_prompt_tokens": 6},
+    )
+    assert cut.usage.prompt_tokens == 6 and cut.choices[0].text == whole.choices[0].text
+    r = client.chat.completions.create(
+        model=MODEL, messages=QUESTION, max_tokens=2, extra_body={"truncate_prompt_tokens": 4}
+    )
+    assert r.usage.prompt_tokens == 4
+    # -1: what fits beside max_tokens (max_model_len 512).
+    r = client.completions.create(
+        model=MODEL, prompt=ids * 40, max_tokens=12, extra_body={"truncate_prompt_tokens": -1}
+    )
+    assert r.usage.prompt_tokens == 500 and r.usage.completion_tokens == 12
+
+
+def test_prompt_logprobs(client: openai.OpenAI) -> None:
+    prompt = "The capital of France is"
+    r = client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=1, temperature=0, extra_body={"prompt_logprobs": 2}
+    )
+    echo = client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=0, echo=True, logprobs=1, temperature=0
+    )
+    plp = r.choices[0].prompt_logprobs  # vLLM's field: token id -> {logprob, rank, decoded_token}
+    assert len(plp) == r.usage.prompt_tokens == 5 and plp[0] is None
+    for position, chosen in zip(plp[1:], echo.choices[0].logprobs.token_logprobs[1:], strict=True):
+        assert 2 <= len(position) <= 3 and {e["rank"] for e in position.values()} >= {1, 2}
+        first = next(iter(position.values()))  # the prompt's own token first, as vLLM
+        assert first["logprob"] == pytest.approx(chosen, abs=1e-4)
+    assert "".join(next(iter(p.values()))["decoded_token"] for p in plp[1:]) == echo.choices[0].text[3:]
+    chat = client.chat.completions.create(
+        model=MODEL, messages=QUESTION, max_tokens=1, extra_body={"prompt_logprobs": 0}
+    )
+    plp = chat.prompt_logprobs
+    assert len(plp) == chat.usage.prompt_tokens and plp[0] is None and all(len(p) in (1, 2) for p in plp[1:])
+    plain = client.completions.create(model=MODEL, prompt=prompt, max_tokens=1)
+    assert plain.choices[0].prompt_logprobs is None
+
+
+@pytest.mark.parametrize("kind", ["chat", "completion"])
+def test_continuous_usage_stats(client: openai.OpenAI, kind: str) -> None:
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    args = dict(model=MODEL, temperature=0, max_tokens=12, stream=True, stream_options=options)
+    if kind == "chat":
+        chunks = list(client.chat.completions.create(messages=QUESTION, **args))
+    else:
+        chunks = list(client.completions.create(prompt="The capital of France is", **args))
+    final = chunks[-1]
+    assert not final.choices and final.usage.completion_tokens > 0
+    counts = [c.usage.completion_tokens for c in chunks[:-1]]
+    assert all(c.usage is not None and c.usage.prompt_tokens == final.usage.prompt_tokens for c in chunks)
+    assert counts == sorted(counts) and counts[-1] == final.usage.completion_tokens
+    assert all(c.usage.total_tokens == c.usage.prompt_tokens + c.usage.completion_tokens for c in chunks)
+
+
 def test_tokenize_round_trip(server: Server) -> None:
     text = "Hello, world! Ünïcödé 🙂"
     tok = httpx.post(f"{server.url}/tokenize", json={"model": MODEL, "prompt": text}).json()

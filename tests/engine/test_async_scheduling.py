@@ -35,6 +35,7 @@ def test_every_way_of_ending_matches_sync_scheduling(engines: dict[bool, LLM]) -
     tok = llm.get_tokenizer()
     chat = llm.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}])
     text = tok.encode("The history of the lighthouse begins in the ancient world, when fires were lit")
+    once = tok.encode("Once upon a time")
     greedy = SamplingParams(temperature=0.0, max_tokens=40)
     first = llm.generate([text], greedy, use_tqdm=False)[0].outputs[0]
     cases = [
@@ -47,6 +48,8 @@ def test_every_way_of_ending_matches_sync_scheduling(engines: dict[bool, LLM]) -
         (chat, SamplingParams(temperature=0.9, n=3, seed=7, max_tokens=30, repetition_penalty=1.3)),
         (text, SamplingParams(temperature=0.7, seed=3, max_tokens=20, presence_penalty=1.0, top_k=20)),
         (text[:5], SamplingParams(temperature=0.0, max_tokens=256)),  # ends at max_model_len
+        # A two-token bad word reads the last token on the host: the next step lands it first.
+        (once, SamplingParams(temperature=0.0, max_tokens=20, bad_words=["Nova Haven"])),
     ]
     prompts, params = [p for p, _ in cases], [q for _, q in cases]
     sync, pipelined = (engines[a].generate(prompts, params, use_tqdm=False) for a in (False, True))

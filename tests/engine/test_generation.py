@@ -36,7 +36,8 @@ TEXT = (
     "farmland. Cities grew along rivers because they offered water, food, transport and power, and even "
     "now most of the world's great capitals sit on the banks of one."
 )
-GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+GREEDY_ARGS = {"temperature": 0.0, "max_tokens": 24, "ignore_eos": True}
+GREEDY = SamplingParams(**GREEDY_ARGS)
 
 
 def gen(
@@ -291,6 +292,67 @@ def test_eos_min_tokens_and_ignore_eos(roomy: LLM, chat_prompt: list[int]) -> No
     assert out.finish_reason == "length" and out.stop_reason is None
 
 
+# -- allowed tokens, bad words, truncation --------------------------------------------------------
+
+
+def test_allowed_token_ids_bound_the_draw_not_the_logprobs(roomy: LLM) -> None:
+    tok = roomy.get_tokenizer()
+    base = one(roomy, "Once upon a time", GREEDY)
+    # Every greedy token allowed: the same tokens.
+    allowed = SamplingParams(allowed_token_ids=sorted(set(base.token_ids)), **GREEDY_ARGS)
+    assert one(roomy, "Once upon a time", allowed).token_ids == base.token_ids
+    pets = [tok.encode(" cat")[0], tok.encode(" dog")[0]]
+    for temperature in (0.0, 1.0):
+        params = SamplingParams(
+            temperature=temperature,
+            seed=5,
+            max_tokens=12,
+            ignore_eos=True,
+            allowed_token_ids=pets,
+            logprobs=0,
+        )
+        out = one(roomy, "Once upon a time", params)
+        assert set(out.token_ids) <= set(pets)
+    # Logprobs are the model's own (vLLM's raw logprobs): the first pet is far from the model's top token.
+    assert out.logprobs is not None and out.logprobs[0][out.token_ids[0]].rank > 1
+
+
+def test_bad_words_are_never_generated(roomy: LLM) -> None:
+    base = one(roomy, "Once upon a time", GREEDY)
+    assert " bustling" in base.text and " Nova Haven" in base.text
+    # " bustling" is one token mid-text (three alone): banned after a space too.
+    out = one(roomy, "Once upon a time", SamplingParams(bad_words=["bustling"], **GREEDY_ARGS))
+    assert "bustling" not in out.text
+    cut = base.text.index(" bustling")
+    assert out.text[:cut] == base.text[:cut]
+    # Two tokens: " Haven" is banned only right after " Nova".
+    out = one(roomy, "Once upon a time", SamplingParams(bad_words=["Nova Haven"], **GREEDY_ARGS))
+    assert " Nova" in out.text and "Nova Haven" not in out.text
+    assert out.text.startswith(base.text[: base.text.index(" Haven")])
+
+
+def test_truncate_prompt_tokens_keeps_the_prompt_end(roomy: LLM, text_ids: list[int]) -> None:
+    cut = one(roomy, text_ids[-40:], GREEDY)
+    [out] = gen(roomy, [text_ids], SamplingParams(truncate_prompt_tokens=40, **GREEDY_ARGS))
+    assert out.prompt_token_ids == text_ids[-40:] and out.outputs[0].token_ids == cut.token_ids
+    # -1: as much of the prompt as leaves room for max_tokens.
+    [out] = gen(roomy, [text_ids], SamplingParams(truncate_prompt_tokens=-1, **GREEDY_ARGS))
+    assert out.prompt_token_ids == text_ids[-(MAX_MODEL_LEN - 24) :] and len(out.outputs[0].token_ids) == 24
+
+
+def test_bad_allowed_ids_and_bad_words_are_rejected_up_front(clean_roomy: LLM) -> None:
+    with pytest.raises(ValueError, match=r"^allowed_token_ids must not be empty"):
+        SamplingParams(allowed_token_ids=[])
+    with pytest.raises(ValueError, match=r"^bad_words must not contain empty words"):
+        SamplingParams(bad_words=["ok", " "])
+    with pytest.raises(ValueError, match=r"^allowed_token_ids token ids must be in \[0, 49152\)"):
+        gen(clean_roomy, ["Hi"], SamplingParams(max_tokens=2, allowed_token_ids=[5, 49152]))
+    with pytest.raises(ValueError, match=r"^bad_words: too many after tokenization"):
+        gen(clean_roomy, ["Hi"], SamplingParams(max_tokens=2, bad_words=[f"word{i}" for i in range(100)]))
+    assert not clean_roomy.engine.output.parents
+    assert_still_works(clean_roomy)
+
+
 def test_generation_stops_at_max_model_len(roomy: LLM, text_ids: list[int]) -> None:
     prompt = text_ids[:250]
     unbounded = one(roomy, prompt, SamplingParams(temperature=0.0, max_tokens=None, ignore_eos=True))
@@ -426,6 +488,8 @@ def test_bad_prompts_are_rejected(roomy: LLM, text_ids: list[int], prompt: Any, 
         ("max_tokens", 0),
         ("min_tokens", -1),
         ("logprobs", -1),
+        ("truncate_prompt_tokens", 0),
+        ("truncate_prompt_tokens", -2),
     ],
 )
 def test_bad_sampling_values_name_the_field(roomy: LLM, field: str, value: Any) -> None:
