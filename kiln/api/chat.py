@@ -26,12 +26,14 @@ from kiln.api.serving import (
     ChoiceDelta,
     constraint,
     final_outputs,
+    ids_if,
     include_usage,
     merged,
     prompt_logprobs,
     sampling_params,
     start_all,
     stream_response,
+    token_text,
     usage,
 )
 from kiln.api.tool_calls import ToolCallStream, forced_call_schema
@@ -65,7 +67,7 @@ async def create_chat_completion(
     if body.stream:
         final_usage, continuous = include_usage(body)
         usage_chunk = functools.partial(ChatCompletionChunk, id=rid, model=model) if final_usage else None
-        chunks = _Chunks(rid, model, k, calls, call_name)
+        chunks = _Chunks(rid, model, k, calls, call_name, body)
         return stream_response(merged(streams), 1, chunks, usage_chunk, continuous)
     outputs = await final_outputs(request, streams)
     if outputs is None:
@@ -77,14 +79,18 @@ async def create_chat_completion(
             message = AssistantMessage(None, tool_calls=ToolCallStream(call_name).whole(c.text))
         else:
             message = AssistantMessage(c.text)
-        logprobs = None if k is None else chat_logprobs(c.token_ids, c.logprobs or [], k)
-        choices.append(ChatChoice(c.index, message, logprobs, _finish(c.finish_reason, calls), c.stop_reason))
+        as_ids = body.return_tokens_as_token_ids
+        logprobs = None if k is None else chat_logprobs(c.token_ids, c.logprobs or [], k, as_ids)
+        reason = _finish(c.finish_reason, calls)
+        ids = ids_if(body.return_token_ids, c.token_ids)
+        choices.append(ChatChoice(c.index, message, logprobs, reason, c.stop_reason, ids))
     return ChatCompletionResponse(
         id=rid,
         model=model,
         choices=choices,
         usage=usage(outputs),
         prompt_logprobs=prompt_logprobs(out, body.prompt_logprobs),
+        prompt_token_ids=ids_if(body.return_token_ids, out.prompt_token_ids),
     )
 
 
@@ -92,17 +98,20 @@ def _finish(reason: str | None, calls: bool) -> str | None:
     return "tool_calls" if calls and reason == "stop" else reason
 
 
-def chat_logprobs(ids: list[int], positions: list[PositionLogprobs], k: int) -> ChatLogprobs:
+def chat_logprobs(
+    ids: list[int], positions: list[PositionLogprobs], k: int, as_ids: bool = False
+) -> ChatLogprobs:
     content = []
     for token, entry in zip(ids, positions, strict=True):
-        chosen = entry[token]
-        top = sorted((lp for lp in entry.values() if lp.rank <= k), key=lambda lp: lp.rank)[:k]
+        chosen = token_text(token, entry[token].decoded_token, as_ids)
+        top = sorted(((t, lp) for t, lp in entry.items() if lp.rank <= k), key=lambda e: e[1].rank)[:k]
+        named = [(token_text(t, lp.decoded_token, as_ids), lp.logprob) for t, lp in top]
         content.append(
             TokenLogprob(
-                chosen.decoded_token,
-                chosen.logprob,
-                list(chosen.decoded_token.encode()),
-                [TopLogprob(lp.decoded_token, lp.logprob, list(lp.decoded_token.encode())) for lp in top],
+                chosen,
+                entry[token].logprob,
+                list(chosen.encode()),
+                [TopLogprob(text, logprob, list(text.encode())) for text, logprob in named],
             )
         )
     return ChatLogprobs(content)
@@ -112,10 +121,20 @@ class _Chunks:
     """A stream's chunks: a role chunk to open each choice (as OpenAI), then its content, or its tool-call
     deltas when a call is forced."""
 
-    def __init__(self, rid: str, model: str, k: int | None, calls: bool, call_name: str | None) -> None:
+    def __init__(
+        self,
+        rid: str,
+        model: str,
+        k: int | None,
+        calls: bool,
+        call_name: str | None,
+        body: ChatCompletionRequest,
+    ) -> None:
         self.rid, self.model, self.k = rid, model, k
         self.calls: dict[int, ToolCallStream] | None = {} if calls else None
         self.call_name = call_name
+        self.as_ids, self.return_ids = body.return_tokens_as_token_ids, body.return_token_ids
+        self.opened = False  # the stream's first chunk is out (it carries the prompt's ids when asked)
 
     def __call__(self, deltas: list[ChoiceDelta]) -> list[ChatCompletionChunk]:
         out, choices = [], []
@@ -123,14 +142,20 @@ class _Chunks:
             if d.first:
                 opening = Delta(role="assistant", content="" if self.calls is None else None)
                 out.append(self._chunk([ChatChunkChoice(d.index, opening)]))
+                if not self.opened and self.return_ids:
+                    out[-1].prompt_token_ids = d.request.prompt_token_ids
+                self.opened = True
             c = d.output
-            logprobs = None if self.k is None else chat_logprobs(c.token_ids, c.logprobs or [], self.k)
+            logprobs = None
+            if self.k is not None:
+                logprobs = chat_logprobs(c.token_ids, c.logprobs or [], self.k, self.as_ids)
             delta = Delta(content=c.text)
             if self.calls is not None:
                 stream = self.calls.setdefault(d.index, ToolCallStream(self.call_name))
                 delta = Delta(tool_calls=stream.feed(c.text) or None)
             reason = _finish(c.finish_reason, self.calls is not None)
-            choices.append(ChatChunkChoice(d.index, delta, logprobs, reason, c.stop_reason))
+            ids = ids_if(self.return_ids, c.token_ids)
+            choices.append(ChatChunkChoice(d.index, delta, logprobs, reason, c.stop_reason, ids))
         out.append(self._chunk(choices))
         return out
 

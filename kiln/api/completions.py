@@ -24,12 +24,14 @@ from kiln.api.serving import (
     ChoiceDelta,
     constraint,
     final_outputs,
+    ids_if,
     include_usage,
     merged,
     prompt_logprobs,
     sampling_params,
     start_all,
     stream_response,
+    token_text,
     usage,
 )
 from kiln.engine.async_engine import AsyncEngine
@@ -117,32 +119,51 @@ def _choice(
             ids += out.prompt_token_ids
         positions += c.logprobs or []
         ids += c.token_ids
-        logprobs = completion_logprobs(ids, positions, k, 0, tokenizer)
-    plp = prompt_logprobs(out, body.prompt_logprobs)
-    return CompletionChoice(index, text, logprobs, c.finish_reason, c.stop_reason, plp)
+        logprobs = completion_logprobs(ids, positions, k, 0, tokenizer, body.return_tokens_as_token_ids)
+    return CompletionChoice(
+        index,
+        text,
+        logprobs,
+        c.finish_reason,
+        c.stop_reason,
+        prompt_logprobs(out, body.prompt_logprobs),
+        ids_if(body.return_token_ids, out.prompt_token_ids),
+        ids_if(body.return_token_ids, c.token_ids),
+    )
 
 
 def completion_logprobs(
-    ids: list[int], positions: list[PositionLogprobs | None], k: int, offset: int, tokenizer: Any
+    ids: list[int],
+    positions: list[PositionLogprobs | None],
+    k: int,
+    offset: int,
+    tokenizer: Any,
+    as_ids: bool = False,
 ) -> CompletionLogprobs:
-    """The legacy format: the chosen tokens' logprobs and, per position, the top k (plus the chosen)."""
+    """The legacy format: the chosen tokens' logprobs and, per position, the top k (plus the chosen).
+    Offsets count the tokens as named (as vLLM counts them, "token_id:{id}" included)."""
     out = CompletionLogprobs()
     for token, entry in zip(ids, positions, strict=True):
         out.text_offset.append(offset)
         if entry is None:  # the first prompt token has nothing to condition on
-            word = tokenizer.decode([token])
+            word = token_text(token, tokenizer.decode([token]), as_ids)
             out.tokens.append(word)
             out.token_logprobs.append(None)
             out.top_logprobs.append(None)
             offset += len(word)
             continue
         chosen = entry[token]
-        out.tokens.append(chosen.decoded_token)
+        word = token_text(token, chosen.decoded_token, as_ids)
+        out.tokens.append(word)
         out.token_logprobs.append(chosen.logprob)
         out.top_logprobs.append(
-            {lp.decoded_token: lp.logprob for lp in entry.values() if lp.rank <= k or lp is chosen}
+            {
+                token_text(t, lp.decoded_token, as_ids): lp.logprob
+                for t, lp in entry.items()
+                if lp.rank <= k or lp is chosen
+            }
         )
-        offset += len(chosen.decoded_token)
+        offset += len(word)
     return out
 
 
@@ -164,6 +185,18 @@ def _chunks(
                     (d.request.prompt_logprobs or [None] * len(prompt)) + entries,
                     0,
                 )
-            logprobs = completion_logprobs(ids, entries, body.logprobs, offset, tokenizer)
-        choices.append(CompletionChoice(d.index, text, logprobs, c.finish_reason, c.stop_reason))
+            logprobs = completion_logprobs(
+                ids, entries, body.logprobs, offset, tokenizer, body.return_tokens_as_token_ids
+            )
+        choices.append(
+            CompletionChoice(
+                d.index,
+                text,
+                logprobs,
+                c.finish_reason,
+                c.stop_reason,
+                prompt_token_ids=ids_if(body.return_token_ids and d.first, d.request.prompt_token_ids),
+                token_ids=ids_if(body.return_token_ids, c.token_ids),
+            )
+        )
     return [CompletionResponse(id=rid, model=model, choices=choices)]

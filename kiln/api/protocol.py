@@ -8,6 +8,7 @@ import time
 from typing import Any, Literal
 
 import msgspec
+from msgspec import UNSET, UnsetType
 
 from kiln.engine.request import PositionLogprobs
 from kiln.sampling_params import StructuredOutputsParams
@@ -66,6 +67,8 @@ class _SamplingRequest(_Strict):
     bad_words: list[str] | None = None
     truncate_prompt_tokens: int | None = None
     prompt_logprobs: int | None = None
+    return_token_ids: bool = False  # token ids beside the text
+    return_tokens_as_token_ids: bool = False  # logprobs' tokens as "token_id:{id}"
 
 
 class CompletionRequest(_SamplingRequest, kw_only=True):
@@ -174,7 +177,11 @@ class CompletionChoice(msgspec.Struct):
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
-    prompt_logprobs: list[PositionLogprobs | None] | None = None  # vLLM's, whole responses only
+    # vLLM's, left out unless asked: the prompt's logprobs (whole responses only), its ids (a choice's first
+    # chunk when streamed) and the output's ids (each chunk's own).
+    prompt_logprobs: list[PositionLogprobs | None] | UnsetType = UNSET
+    prompt_token_ids: list[int] | UnsetType = UNSET
+    token_ids: list[int] | UnsetType = UNSET
 
 
 class CompletionResponse(msgspec.Struct, kw_only=True):
@@ -215,6 +222,7 @@ class ChatChoice(msgspec.Struct):
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | UnsetType = UNSET  # vLLM's return_token_ids
 
 
 class ChatCompletionResponse(msgspec.Struct, kw_only=True):
@@ -222,7 +230,8 @@ class ChatCompletionResponse(msgspec.Struct, kw_only=True):
     model: str
     choices: list[ChatChoice]
     usage: Usage
-    prompt_logprobs: list[PositionLogprobs | None] | None = None  # vLLM's
+    prompt_logprobs: list[PositionLogprobs | None] | UnsetType = UNSET  # vLLM's, as asked
+    prompt_token_ids: list[int] | UnsetType = UNSET
     object: Literal["chat.completion"] = "chat.completion"
     created: int = msgspec.field(default_factory=_now)
 
@@ -251,6 +260,7 @@ class ChatChunkChoice(msgspec.Struct):
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | UnsetType = UNSET
 
 
 class ChatCompletionChunk(msgspec.Struct, kw_only=True):
@@ -258,6 +268,7 @@ class ChatCompletionChunk(msgspec.Struct, kw_only=True):
     model: str
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
+    prompt_token_ids: list[int] | UnsetType = UNSET  # the first chunk's, with return_token_ids
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
     created: int = msgspec.field(default_factory=_now)
 

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import msgspec
+from msgspec import UNSET, UnsetType
 from starlette.requests import Request
 from starlette.responses import StreamingResponse
 
@@ -258,11 +259,11 @@ def usage(outputs: list[RequestOutput]) -> Usage:
     return _usage(prompt, sum(len(c.token_ids) for o in outputs for c in o.outputs))
 
 
-def prompt_logprobs(out: RequestOutput, k: int | None) -> list[PositionLogprobs | None] | None:
+def prompt_logprobs(out: RequestOutput, k: int | None) -> list[PositionLogprobs | None] | UnsetType:
     """vLLM's prompt_logprobs of one prompt: each position's token and its k most likely (the engine may
-    have computed more, for echo's logprobs)."""
+    have computed more, for echo's logprobs); left out unless asked."""
     if k is None or out.prompt_logprobs is None:
-        return None
+        return UNSET
     return [
         None if entry is None else {t: lp for t, lp in entry.items() if lp.rank <= k or t == token}
         for token, entry in zip(out.prompt_token_ids, out.prompt_logprobs, strict=True)
@@ -281,3 +282,14 @@ def _sse(events: AsyncIterator[msgspec.Struct]) -> StreamingResponse:
         yield b"data: [DONE]\n\n"
 
     return StreamingResponse(body(), media_type="text/event-stream")
+
+
+def token_text(token_id: int, text: str, as_ids: bool) -> str:
+    """A logprob's token as a response names it: its text, or vLLM's "token_id:{id}"
+    (return_tokens_as_token_ids, for tokens whose text is not valid UTF-8 alone)."""
+    return f"token_id:{token_id}" if as_ids else text
+
+
+def ids_if(asked: bool, ids: list[int]) -> list[int] | UnsetType:
+    """vLLM's return_token_ids: the ids when asked, else left out of the response."""
+    return ids if asked else UNSET

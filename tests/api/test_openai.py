@@ -240,7 +240,58 @@ def test_prompt_logprobs(client: openai.OpenAI) -> None:
     plp = chat.prompt_logprobs
     assert len(plp) == chat.usage.prompt_tokens and plp[0] is None and all(len(p) in (1, 2) for p in plp[1:])
     plain = client.completions.create(model=MODEL, prompt=prompt, max_tokens=1)
-    assert plain.choices[0].prompt_logprobs is None
+    assert "prompt_logprobs" not in plain.choices[0].model_extra  # left out unless asked
+
+
+def test_return_token_ids(client: openai.OpenAI, server: Server) -> None:
+    prompt = "The capital of France is"
+    ids = httpx.post(f"{server.url}/tokenize", json={"prompt": prompt}).json()["tokens"]
+    args = dict(model=MODEL, temperature=0, max_tokens=6, extra_body={"return_token_ids": True})
+    r = client.completions.create(prompt=prompt, logprobs=0, **args)
+    c = r.choices[0]
+    assert c.prompt_token_ids == ids and len(c.token_ids) == 6
+    detok = httpx.post(f"{server.url}/detokenize", json={"tokens": c.token_ids}).json()["prompt"]
+    assert detok == c.text
+    chunks = list(client.completions.create(prompt=prompt, stream=True, **args))
+    assert chunks[0].choices[0].prompt_token_ids == ids
+    assert all("prompt_token_ids" not in ch.choices[0].model_extra for ch in chunks[1:])
+    assert [t for ch in chunks for t in ch.choices[0].token_ids] == c.token_ids
+    chat = client.chat.completions.create(messages=QUESTION, **args)
+    chat_ids = httpx.post(f"{server.url}/tokenize", json={"messages": QUESTION}).json()["tokens"]
+    assert (
+        chat.prompt_token_ids == chat_ids and len(chat.choices[0].token_ids) == chat.usage.completion_tokens
+    )
+    chunks = list(client.chat.completions.create(messages=QUESTION, stream=True, **args))
+    assert chunks[0].prompt_token_ids == chat_ids and "prompt_token_ids" not in chunks[1].model_extra
+    streamed = [
+        t for ch in chunks for choice in ch.choices for t in (getattr(choice, "token_ids", None) or [])
+    ]
+    assert streamed == chat.choices[0].token_ids
+    plain = client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=2)
+    assert "prompt_token_ids" not in plain.model_extra and "token_ids" not in plain.choices[0].model_extra
+
+
+def test_return_tokens_as_token_ids(client: openai.OpenAI) -> None:
+    extra = {"return_tokens_as_token_ids": True, "return_token_ids": True}
+    r = client.completions.create(
+        model=MODEL, prompt="Hello", temperature=0, max_tokens=3, logprobs=2, extra_body=extra
+    )
+    lp, ids = r.choices[0].logprobs, r.choices[0].token_ids
+    assert lp.tokens == [f"token_id:{t}" for t in ids]
+    assert all(f"token_id:{t}" in top for t, top in zip(ids, lp.top_logprobs, strict=True))
+    assert lp.text_offset == [sum(map(len, lp.tokens[:i])) for i in range(3)]  # as vLLM counts them
+    chat = client.chat.completions.create(
+        model=MODEL,
+        messages=QUESTION,
+        temperature=0,
+        max_tokens=3,
+        logprobs=True,
+        top_logprobs=2,
+        extra_body=extra,
+    )
+    content = chat.choices[0].logprobs.content
+    assert [e.token for e in content] == [f"token_id:{t}" for t in chat.choices[0].token_ids]
+    assert all(e.top_logprobs[0].token == e.token and bytes(e.bytes) == e.token.encode() for e in content)
 
 
 @pytest.mark.parametrize("kind", ["chat", "completion"])
