@@ -1,9 +1,12 @@
-"""Structured output's cost: each server of the list is started in turn, its first constrained request
-timed (and, for kiln, the grammar compile time from /metrics), then the spec is run with its extra_body (a
-json_schema on every request) and without, alternated for --rounds (this VM drifts 10-15%).
+"""What a spec's extra_body costs (structured output's json_schema, or any request field: bad_words,
+allowed_token_ids): each server of the list is started in turn, its first request with the extra_body
+timed (and, for kiln, the grammar compile time from /metrics), then the spec is run with its extra_body
+and without, alternated for --rounds (this VM drifts 10-15%).
 
     .venv/bin/python perf/structured.py --servers configs/perf/servers-structured.yaml \\
         --spec configs/perf/structured-c16.yaml --rounds 3
+    .venv/bin/python perf/structured.py --servers configs/perf/servers-structured.yaml \\
+        --spec configs/perf/bad-words-c16.yaml --rounds 2 --out perf/results/bad-words
 """
 
 from __future__ import annotations
@@ -53,17 +56,17 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
     spec = load_spec(args.spec)
-    free = msgspec.structs.replace(spec, name=f"{spec.name}-free", extra_body={})
+    plain = msgspec.structs.replace(spec, name=f"{spec.name}-plain", extra_body={})
     args.out.mkdir(parents=True, exist_ok=True)
     for server in load_servers(args.servers):
         proc = launch(server, args.out)
         try:
             wait_ready(server, proc)
             ep = Endpoint(server.base_url, server.model, server.api_key)
-            rates: dict[str, list[float]] = {"free": [], "json": []}
+            rates: dict[str, list[float]] = {"plain": [], "with": []}
             first = first_request(ep, spec.extra_body)
             for i in range(args.rounds):
-                for j, (kind, s) in enumerate((("free", free), ("json", spec))):
+                for j, (kind, s) in enumerate((("plain", plain), ("with", spec))):
                     # Prompts of their own for each run, so that none reads another's prefix cache.
                     s = msgspec.structs.replace(s, seed=spec.seed + 2 * i + j)
                     result = run_http(ep, s, f"{server.name}-{kind}-r{i}")
@@ -72,10 +75,10 @@ def main() -> None:
                     assert result.points[0].summary.failed == 0, result.points[0].summary.errors[:3]
         finally:
             stop(proc)
-        free_tps, json_tps = statistics.median(rates["free"]), statistics.median(rates["json"])
-        row = {"server": server.name, **first, "free_tok_s": rates["free"], "json_tok_s": rates["json"]}
-        row |= {"median_free": round(free_tps, 1), "median_json": round(json_tps, 1)}
-        row["json/free"] = round(json_tps / free_tps, 3)
+        plain_tps, with_tps = statistics.median(rates["plain"]), statistics.median(rates["with"])
+        row = {"server": server.name, **first, "plain_tok_s": rates["plain"], "with_tok_s": rates["with"]}
+        row |= {"median_plain": round(plain_tps, 1), "median_with": round(with_tps, 1)}
+        row["with/plain"] = round(with_tps / plain_tps, 3)
         print(json.dumps(row), flush=True)
 
 
