@@ -55,10 +55,12 @@ class LLM:
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
         chat_template_kwargs: dict[str, Any] | None = None,
+        continue_final_message: bool = False,
     ) -> list[RequestOutput]:
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = [
-            self.apply_chat_template(c, add_generation_prompt, chat_template_kwargs) for c in conversations
+            self.apply_chat_template(c, add_generation_prompt, chat_template_kwargs, continue_final_message)
+            for c in conversations
         ]
         return self.generate(prompts, sampling_params, use_tqdm)
 
@@ -67,8 +69,17 @@ class LLM:
         messages: list[Message],
         add_generation_prompt: bool = True,
         chat_template_kwargs: dict[str, Any] | None = None,
+        continue_final_message: bool = False,
     ) -> list[int]:
-        return render_chat(self.engine.tokenizer, messages, add_generation_prompt, chat_template_kwargs)
+        """continue_final_message: the last message left open, for the model to go on with it (then
+        add_generation_prompt must be False, as in vLLM)."""
+        return render_chat(
+            self.engine.tokenizer,
+            messages,
+            add_generation_prompt,
+            chat_template_kwargs,
+            continue_final_message=continue_final_message,
+        )
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         done: dict[str, RequestOutput] = {}

@@ -251,9 +251,9 @@ class App:
         self, engine: AsyncEngine, inputs: Inputs, request: Request, body: TokenizeRequest
     ) -> TokenizeResponse:
         if body.messages is not None and body.prompt is None:
-            ids = await inputs.chat_ids(body.messages, body.add_generation_prompt)
+            ids = await inputs.chat_ids(body)
         elif body.prompt is not None and body.messages is None:
-            ids = await inputs.tokenize(body.prompt, body.add_special_tokens)
+            ids = await inputs.tokenize(body.prompt, body.add_special_tokens is not False)
         else:
             raise APIError(400, "give exactly one of prompt and messages", "prompt")
         return TokenizeResponse(len(ids), engine.max_model_len, ids)

@@ -19,6 +19,7 @@ from kiln.api.protocol import (
     ChatCompletionResponse,
     ChatLogprobs,
     Delta,
+    TextPart,
     TokenLogprob,
     TopLogprob,
 )
@@ -57,7 +58,12 @@ async def create_chat_completion(
     so = await constraint(engine, inputs, body, call_schema)
     # As vLLM: tool_choice "none" keeps the tools out of the prompt too.
     tools = body.tools if calls else None
-    ids = await inputs.chat_ids(body.messages, body.add_generation_prompt, body.chat_template_kwargs, tools)
+    ids = await inputs.chat_ids(body, tools)
+    # As vLLM: the reply's role is the last message's when no generation prompt opens a new one, and echo
+    # starts the reply with that message where it has the reply's role.
+    last = body.messages[-1]
+    role = "assistant" if body.add_generation_prompt else last.role
+    echo = _text(last.content) if body.echo and last.role == role else ""
     k = (body.top_logprobs or 0) if body.logprobs else None
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     ids = truncate_prompt(ids, body.truncate_prompt_tokens, max_tokens, engine.max_model_len)
@@ -67,7 +73,7 @@ async def create_chat_completion(
     if body.stream:
         final_usage, continuous = include_usage(body)
         usage_chunk = functools.partial(ChatCompletionChunk, id=rid, model=model) if final_usage else None
-        chunks = _Chunks(rid, model, k, calls, call_name, body)
+        chunks = _Chunks(rid, model, k, calls, call_name, body, role, echo)
         return stream_response(merged(streams), 1, chunks, usage_chunk, continuous)
     outputs = await final_outputs(request, streams)
     if outputs is None:
@@ -76,9 +82,9 @@ async def create_chat_completion(
     choices = []
     for c in out.outputs:
         if calls:
-            message = AssistantMessage(None, tool_calls=ToolCallStream(call_name).whole(c.text))
+            message = AssistantMessage(None, role, ToolCallStream(call_name).whole(c.text))
         else:
-            message = AssistantMessage(c.text)
+            message = AssistantMessage(echo + c.text, role)
         as_ids = body.return_tokens_as_token_ids
         logprobs = None if k is None else chat_logprobs(c.token_ids, c.logprobs or [], k, as_ids)
         reason = _finish(c.finish_reason, calls)
@@ -92,6 +98,12 @@ async def create_chat_completion(
         prompt_logprobs=prompt_logprobs(out, body.prompt_logprobs),
         prompt_token_ids=ids_if(body.return_token_ids, out.prompt_token_ids),
     )
+
+
+def _text(content: str | list[TextPart] | None) -> str:
+    if isinstance(content, list):
+        return "".join(part.text or "" for part in content)
+    return content or ""
 
 
 def _finish(reason: str | None, calls: bool) -> str | None:
@@ -129,8 +141,11 @@ class _Chunks:
         calls: bool,
         call_name: str | None,
         body: ChatCompletionRequest,
+        role: str,
+        echo: str,
     ) -> None:
         self.rid, self.model, self.k = rid, model, k
+        self.role, self.echo = role, echo
         self.calls: dict[int, ToolCallStream] | None = {} if calls else None
         self.call_name = call_name
         self.as_ids, self.return_ids = body.return_tokens_as_token_ids, body.return_token_ids
@@ -140,11 +155,13 @@ class _Chunks:
         out, choices = [], []
         for d in deltas:
             if d.first:
-                opening = Delta(role="assistant", content="" if self.calls is None else None)
+                opening = Delta(role=self.role, content="" if self.calls is None else None)
                 out.append(self._chunk([ChatChunkChoice(d.index, opening)]))
                 if not self.opened and self.return_ids:
                     out[-1].prompt_token_ids = d.request.prompt_token_ids
                 self.opened = True
+                if self.echo and self.calls is None:
+                    out.append(self._chunk([ChatChunkChoice(d.index, Delta(content=self.echo))]))
             c = d.output
             logprobs = None
             if self.k is not None:

@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 import msgspec
 
 from kiln.api.errors import APIError
-from kiln.api.protocol import ChatMessage, CompletionRequest, Tool, _SamplingRequest
+from kiln.api.protocol import ChatMessage, ChatRender, CompletionRequest, Tool, _SamplingRequest
 from kiln.config import ServerConfig
 from kiln.engine.bad_words import MAX_BAD_WORDS
 from kiln.engine.chat_template import render_chat
@@ -116,12 +116,10 @@ class Inputs:
 
     async def completion_prompts(self, body: CompletionRequest, max_tokens: int | None) -> list[Prompt]:
         """max_tokens: what the request generates, for truncate_prompt_tokens -1."""
-        keep = body.truncate_prompt_tokens
-        return await self.run(self._completion_prompts, body.prompt, body.echo, keep, max_tokens)
+        return await self.run(self._completion_prompts, body, max_tokens)
 
-    def _completion_prompts(
-        self, prompt: Any, echo: bool, keep: int | None, max_tokens: int | None
-    ) -> list[Prompt]:
+    def _completion_prompts(self, body: CompletionRequest, max_tokens: int | None) -> list[Prompt]:
+        prompt, echo, keep = body.prompt, body.echo, body.truncate_prompt_tokens
         prompts = prompt_list(prompt)
         if len(prompts) > self.limits.max_completion_prompts:
             raise APIError(
@@ -133,7 +131,11 @@ class Inputs:
         self._check_chars(max(len(p) if isinstance(p, str) else 0 for p in prompts), "prompt")
         out = []
         for p in prompts:
-            ids = self.tokenizer.encode(p) if isinstance(p, str) else p
+            ids = (
+                self.tokenizer.encode(p, add_special_tokens=body.add_special_tokens)
+                if isinstance(p, str)
+                else p
+            )
             kept = truncate_prompt(ids, keep, max_tokens, self.max_model_len)
             if isinstance(p, str) and len(kept) == len(ids):
                 out.append(Prompt(ids, p))
@@ -147,24 +149,22 @@ class Inputs:
 
     # -- chat and tokenize ----------------------------------------------------------------------
 
-    async def chat_ids(
-        self,
-        messages: list[ChatMessage],
-        add_generation_prompt: bool = True,
-        chat_template_kwargs: dict[str, Any] | None = None,
-        tools: list[Tool] | None = None,
-    ) -> list[int]:
-        return await self.run(self._chat_ids, messages, add_generation_prompt, chat_template_kwargs, tools)
+    async def chat_ids(self, body: ChatRender, tools: list[Tool] | None = None) -> list[int]:
+        """The request's messages through the chat template, as its fields ask (tools: those it shows)."""
+        return await self.run(self._chat_ids, body, tools)
 
-    def _chat_ids(
-        self,
-        messages: list[ChatMessage],
-        add_generation_prompt: bool,
-        kwargs: dict[str, Any] | None,
-        tools: list[Tool] | None,
-    ) -> list[int]:
-        self._check_chars(sum(_content_chars(m) for m in messages), "messages")
-        return render_messages(self.tokenizer, messages, add_generation_prompt, kwargs, tools)
+    def _chat_ids(self, body: ChatRender, tools: list[Tool] | None) -> list[int]:
+        messages = body.messages or []
+        chars = sum(_content_chars(m) for m in messages)
+        chars += sum(len(v) for d in body.documents or () for v in d.values())
+        self._check_chars(chars, "messages")
+        if body.continue_final_message and body.add_generation_prompt:
+            raise APIError(
+                400,
+                "Cannot set both `continue_final_message` and `add_generation_prompt` to True.",
+                "continue_final_message",
+            )
+        return render_messages(self.tokenizer, messages, body, tools)
 
     async def tokenize(self, text: str, add_special_tokens: bool) -> list[int]:
         self._check_chars(len(text), "prompt")
@@ -197,15 +197,12 @@ def prompt_list(prompt: Any) -> list[str | list[int]]:
 
 
 def render_messages(
-    tokenizer: Any,
-    messages: list[ChatMessage],
-    add_generation_prompt: bool = True,
-    chat_template_kwargs: dict[str, Any] | None = None,
-    tools: list[Tool] | None = None,
+    tokenizer: Any, messages: list[ChatMessage], body: ChatRender, tools: list[Tool] | None = None
 ) -> list[int]:
     """The request's messages (text content parts joined) through the model's chat template. The
     template's variables may come from the request, but never the template itself or the call's own
     arguments: a request's template could run unbounded loops (vLLM refuses it too)."""
+    chat_template_kwargs = body.chat_template_kwargs
     reserved = set(inspect.signature(tokenizer.apply_chat_template).parameters)
     for key in chat_template_kwargs or {}:
         if key in reserved:
@@ -231,7 +228,16 @@ def render_messages(
         plain.append(message)
     defs = None if tools is None else msgspec.to_builtins(tools)
     try:
-        return render_chat(tokenizer, plain, add_generation_prompt, chat_template_kwargs, defs)
+        return render_chat(
+            tokenizer,
+            plain,
+            body.add_generation_prompt,
+            chat_template_kwargs,
+            defs,
+            continue_final_message=body.continue_final_message,
+            add_special_tokens=body.add_special_tokens,
+            documents=body.documents,
+        )
     except ValueError as e:
         raise APIError(400, str(e), "messages") from None
 

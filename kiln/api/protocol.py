@@ -5,7 +5,7 @@ never silence); responses encode straight to JSON."""
 from __future__ import annotations
 
 import time
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 import msgspec
 from msgspec import UNSET, UnsetType
@@ -76,6 +76,7 @@ class CompletionRequest(_SamplingRequest, kw_only=True):
     max_tokens: int | None = 16
     logprobs: int | None = None
     echo: bool = False
+    add_special_tokens: bool = True  # vLLM's: the tokenizer's special tokens (a BOS) on a text prompt
     best_of: int | None = None
     suffix: str | None = None
 
@@ -125,6 +126,17 @@ class NamedToolChoice(_Strict):
     function: FunctionName
 
 
+class ChatRender(Protocol):
+    """How a request's messages go through the chat template (vLLM's fields): chat and /tokenize."""
+
+    messages: list[ChatMessage] | None
+    add_generation_prompt: bool
+    continue_final_message: bool  # the last message left open, for the model to go on with it
+    add_special_tokens: bool | None  # the tokenizer's special tokens on top of the template's
+    chat_template_kwargs: dict[str, Any] | None
+    documents: list[dict[str, str]] | None  # for a template that shows them (RAG)
+
+
 class ChatCompletionRequest(_SamplingRequest, kw_only=True):
     messages: list[ChatMessage]
     max_tokens: int | None = None
@@ -132,6 +144,10 @@ class ChatCompletionRequest(_SamplingRequest, kw_only=True):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = False
+    echo: bool = False  # vLLM's: the reply starts with the last message, where it has the reply's role
+    documents: list[dict[str, str]] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
@@ -142,8 +158,11 @@ class TokenizeRequest(msgspec.Struct, kw_only=True):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
-    add_special_tokens: bool = True
+    add_special_tokens: bool | None = None  # unset: True for a prompt, False for messages (vLLM's)
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    documents: list[dict[str, str]] | None = None
 
 
 class DetokenizeRequest(msgspec.Struct, kw_only=True):

@@ -11,21 +11,30 @@ def render_chat(
     add_generation_prompt: bool = True,
     chat_template_kwargs: dict[str, Any] | None = None,
     tools: list[dict[str, Any]] | None = None,
+    *,
+    continue_final_message: bool = False,
+    add_special_tokens: bool = False,
+    documents: list[dict[str, str]] | None = None,
 ) -> list[int]:
     """Raises ValueError for empty messages, a model without a template, or messages it refuses. tools:
-    OpenAI's tool definitions, for a template that shows them to the model."""
+    OpenAI's tool definitions, for a template that shows them to the model; continue_final_message: the last
+    message left open, for the model to go on with it; add_special_tokens: the tokenizer's special tokens
+    (a BOS) on top of the template's; documents: for a template that shows them (RAG)."""
     if not messages:
         raise ValueError("messages must not be empty")
     if tokenizer.chat_template is None:
         raise ValueError("this model has no chat template; use /v1/completions")
     try:
-        return tokenizer.apply_chat_template(
+        rendered = tokenizer.apply_chat_template(
             messages,
             add_generation_prompt=add_generation_prompt,
-            tokenize=True,
+            continue_final_message=continue_final_message,
+            tokenize=not add_special_tokens,
             return_dict=False,
             tools=tools,
+            documents=documents,
             **(chat_template_kwargs or {}),
         )
     except Exception as e:  # jinja raises for conversations the template refuses
         raise ValueError(f"the chat template rejected these messages: {e}") from None
+    return tokenizer.encode(rendered) if add_special_tokens else rendered

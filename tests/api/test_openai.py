@@ -310,6 +310,30 @@ def test_continuous_usage_stats(client: openai.OpenAI, kind: str) -> None:
     assert all(c.usage.total_tokens == c.usage.prompt_tokens + c.usage.completion_tokens for c in chunks)
 
 
+def test_continue_final_message_and_echo(client: openai.OpenAI, server: Server) -> None:
+    opened = [*QUESTION, {"role": "assistant", "content": "The capital of France is"}]
+    extra = {"add_generation_prompt": False, "continue_final_message": True}
+    args = dict(model=MODEL, messages=opened, temperature=0, max_tokens=3)
+    r = client.chat.completions.create(**args, extra_body={**extra, "return_token_ids": True})
+    assert r.choices[0].message.role == "assistant" and r.choices[0].message.content.startswith(" Paris")
+    ids = httpx.post(f"{server.url}/tokenize", json={"messages": opened, **extra}).json()["tokens"]
+    assert r.prompt_token_ids == ids  # the open message is the prompt's end
+    echoed = client.chat.completions.create(**args, extra_body={**extra, "echo": True})
+    assert echoed.choices[0].message.content == "The capital of France is" + r.choices[0].message.content
+    chunks = list(client.chat.completions.create(**args, stream=True, extra_body={**extra, "echo": True}))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == echoed.choices[0].message.content
+    # Echo takes the last message only where it has the reply's role.
+    plain = client.chat.completions.create(model=MODEL, messages=QUESTION, temperature=0, max_tokens=3)
+    r = client.chat.completions.create(
+        model=MODEL, messages=QUESTION, temperature=0, max_tokens=3, extra_body={"echo": True}
+    )
+    assert r.choices[0].message.content == plain.choices[0].message.content
+    with pytest.raises(openai.BadRequestError, match="continue_final_message"):
+        client.chat.completions.create(
+            model=MODEL, messages=opened, extra_body={"continue_final_message": True}
+        )
+
+
 def test_tokenize_round_trip(server: Server) -> None:
     text = "Hello, world! Ünïcödé 🙂"
     tok = httpx.post(f"{server.url}/tokenize", json={"model": MODEL, "prompt": text}).json()
