@@ -84,6 +84,12 @@ SERVE_FLAGS: dict[str, tuple[str, str, dict]] = {
     "--max-completion-prompts": ("server", "max_completion_prompts", {"type": int}),
     "--loop-nice": ("server", "loop_nice", {"type": int, "help": "event loop's nice above the engine's"}),
     "--max-prompt-chars": ("server", "max_prompt_chars", {"type": int, "help": "checked before tokenizing"}),
+    "--enable-auto-tool-choice": (
+        "server",
+        "enable_auto_tool_choice",
+        {"action": "store_true", "help": 'tool_choice "auto", parsed by --tool-call-parser'},
+    ),
+    "--tool-call-parser": ("server", "tool_call_parser", {"choices": ["hermes"]}),
 }
 
 

@@ -174,6 +174,14 @@ class ServerConfig(_Section):
     # The event loop's nice value above the engine's (Linux): bulk work such as receiving large bodies
     # yields the cores to the engine's threads. 0 leaves both equal.
     loop_nice: Annotated[int, Meta(ge=0, le=19)] = 5
+    # tool_choice "auto" (the default when a request gives tools): the model's text parsed into calls by
+    # tool_call_parser, the format its chat template teaches. Off, "auto" is a 400, as in vLLM.
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: Literal["hermes"] | None = None
+
+    def __post_init__(self) -> None:
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError("server.enable_auto_tool_choice needs server.tool_call_parser (hermes)")
 
 
 class ServeConfig(EngineConfig):

@@ -74,7 +74,13 @@ def tiny_server(tmp_path_factory: pytest.TempPathFactory, default_model_dir: Pat
         "cache": {"kv_cache_gib": 0.0625},
         "scheduler": {"max_num_seqs": 16},
         "compile": {"mode": "eager"},
-        "server": {"api_key": API_KEY, **TINY_LIMITS},
+        # tool_choice "auto" parsed as hermes: the tool-call tests force the format with a constraint.
+        "server": {
+            "api_key": API_KEY,
+            "enable_auto_tool_choice": True,
+            "tool_call_parser": "hermes",
+            **TINY_LIMITS,
+        },
     }
     srv = start_server(tmp_path_factory.mktemp("serve-tiny"), config)
     yield srv

@@ -71,6 +71,8 @@ def test_missing_file() -> None:
             ["--cpu-threads-bind", "0,99999"],
             "backend.cpu_threads_bind '0,99999': CPU 99999 is not one of this",
         ),
+        (["--enable-auto-tool-choice"], "server.enable_auto_tool_choice needs server.tool_call_parser"),
+        (["--tool-call-parser", "nope"], "invalid choice: 'nope'"),
     ],
 )
 def test_serve_refuses_before_binding(flags: list[str], message: str, capsys: pytest.CaptureFixture) -> None:

@@ -38,6 +38,7 @@ from kiln.api.serving import (
     usage,
 )
 from kiln.api.tool_calls import ToolCallStream, forced_call_schema
+from kiln.api.tool_parser import AutoToolStream
 from kiln.engine.async_engine import AsyncEngine
 from kiln.engine.engine import MAX_LOGPROBS
 from kiln.engine.request import PositionLogprobs
@@ -53,11 +54,15 @@ async def create_chat_completion(
     if body.top_logprobs is not None and not 0 <= body.top_logprobs <= MAX_LOGPROBS:
         raise APIError(400, f"top_logprobs must be in [0, {MAX_LOGPROBS}]", "top_logprobs")
     inputs.check_request(body)
-    call_schema, call_name = forced_call_schema(body)
+    server = inputs.limits
+    parser = server.tool_call_parser if server.enable_auto_tool_choice else None
+    call_schema, call_name = forced_call_schema(body, auto=parser is not None)
     calls = call_schema is not None
+    # tool_choice "auto": the model may call a tool, in its own format, which the parser reads.
+    auto = parser if body.tools and body.tool_choice in (None, "auto") else None
     so = await constraint(engine, inputs, body, call_schema)
     # As vLLM: tool_choice "none" keeps the tools out of the prompt too.
-    tools = body.tools if calls else None
+    tools = body.tools if calls or auto else None
     ids = await inputs.chat_ids(body, tools)
     # As vLLM: the reply's role is the last message's when no generation prompt opens a new one, and echo
     # starts the reply with that message where it has the reply's role.
@@ -73,7 +78,7 @@ async def create_chat_completion(
     if body.stream:
         final_usage, continuous = include_usage(body)
         usage_chunk = functools.partial(ChatCompletionChunk, id=rid, model=model) if final_usage else None
-        chunks = _Chunks(rid, model, k, calls, call_name, body, role, echo)
+        chunks = _Chunks(rid, model, k, calls, call_name, body, role, echo, auto)
         return stream_response(merged(streams), 1, chunks, usage_chunk, continuous)
     outputs = await final_outputs(request, streams)
     if outputs is None:
@@ -81,13 +86,17 @@ async def create_chat_completion(
     out = outputs[0]
     choices = []
     for c in out.outputs:
+        reason = _finish(c.finish_reason, calls)
         if calls:
             message = AssistantMessage(None, role, ToolCallStream(call_name).whole(c.text))
+        elif auto is not None:
+            content, found = AutoToolStream(auto).whole(c.text)
+            message = AssistantMessage(None if content is None else echo + content, role, found)
+            reason = "tool_calls" if found else reason  # as vLLM, whatever ended the text
         else:
             message = AssistantMessage(echo + c.text, role)
         as_ids = body.return_tokens_as_token_ids
         logprobs = None if k is None else chat_logprobs(c.token_ids, c.logprobs or [], k, as_ids)
-        reason = _finish(c.finish_reason, calls)
         ids = ids_if(body.return_token_ids, c.token_ids)
         choices.append(ChatChoice(c.index, message, logprobs, reason, c.stop_reason, ids))
     return ChatCompletionResponse(
@@ -143,9 +152,12 @@ class _Chunks:
         body: ChatCompletionRequest,
         role: str,
         echo: str,
+        auto: str | None,
     ) -> None:
         self.rid, self.model, self.k = rid, model, k
         self.role, self.echo = role, echo
+        self.auto = auto  # tool_choice "auto"'s parser
+        self.parsed: dict[int, AutoToolStream] = {}
         self.calls: dict[int, ToolCallStream] | None = {} if calls else None
         self.call_name = call_name
         self.as_ids, self.return_ids = body.return_tokens_as_token_ids, body.return_token_ids
@@ -167,10 +179,15 @@ class _Chunks:
             if self.k is not None:
                 logprobs = chat_logprobs(c.token_ids, c.logprobs or [], self.k, self.as_ids)
             delta = Delta(content=c.text)
+            reason = _finish(c.finish_reason, self.calls is not None)
             if self.calls is not None:
                 stream = self.calls.setdefault(d.index, ToolCallStream(self.call_name))
                 delta = Delta(tool_calls=stream.feed(c.text) or None)
-            reason = _finish(c.finish_reason, self.calls is not None)
+            elif self.auto is not None:
+                parsed = self.parsed.setdefault(d.index, AutoToolStream(self.auto))
+                content, found = parsed.feed(c.text, final=c.finish_reason is not None)
+                delta = Delta(content=content or None, tool_calls=found or None)
+                reason = "tool_calls" if parsed.calls and reason is not None else reason
             ids = ids_if(self.return_ids, c.token_ids)
             choices.append(ChatChunkChoice(d.index, delta, logprobs, reason, c.stop_reason, ids))
         out.append(self._chunk(choices))

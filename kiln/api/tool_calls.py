@@ -23,10 +23,12 @@ from kiln.api.protocol import (
 _NO_ARGUMENTS: dict[str, Any] = {"type": "object", "properties": {}}
 
 
-def forced_call_schema(body: ChatCompletionRequest) -> tuple[dict[str, Any] | None, str | None]:
+def forced_call_schema(
+    body: ChatCompletionRequest, auto: bool = False
+) -> tuple[dict[str, Any] | None, str | None]:
     """The JSON schema a forced call is held to and the named function (None for "required"); (None,
-    None) when no call is forced. A 400 for what kiln cannot do: "auto" (the default with tools) needs
-    a per-model parser of free text into calls, which kiln does not have."""
+    None) when no call is forced. "auto" (the default with tools) needs a parser of the model's text
+    into calls (auto: the server has one, kiln.api.tool_parser); without one it is a 400, as in vLLM."""
     tools, choice = body.tools or [], body.tool_choice
     if not tools:
         if choice not in (None, "none"):
@@ -38,11 +40,13 @@ def forced_call_schema(body: ChatCompletionRequest) -> tuple[dict[str, Any] | No
     if choice == "none":
         return None, None
     if choice is None or choice == "auto":
+        if auto:
+            return None, None
         raise APIError(
             400,
             'tool_choice "auto" (the default when tools are given) needs a parser of this model\'s tool-call '
-            'format, which kiln does not have yet: set tool_choice to "required", "none" or '
-            '{"type": "function", "function": {"name": ...}}',
+            "format: serve with --enable-auto-tool-choice --tool-call-parser hermes, or set tool_choice to "
+            '"required", "none" or {"type": "function", "function": {"name": ...}}',
             "tool_choice",
         )
     if isinstance(choice, NamedToolChoice):
@@ -69,7 +73,7 @@ def forced_call_schema(body: ChatCompletionRequest) -> tuple[dict[str, Any] | No
     return schema, None
 
 
-def _call_id() -> str:
+def call_id() -> str:
     return f"chatcmpl-tool-{uuid.uuid4().hex}"
 
 
@@ -88,7 +92,7 @@ class ToolCallStream:
         self.text += delta
         if self.name is not None:
             if first:
-                self.calls.append(ToolCall(_call_id(), FunctionCall(self.name, "")))
+                self.calls.append(ToolCall(call_id(), FunctionCall(self.name, "")))
                 head = DeltaFunction(self.name, delta)
                 return [DeltaToolCall(0, head, self.calls[0].id, "function")]
             return [DeltaToolCall(0, DeltaFunction(arguments=delta))] if delta else []
@@ -105,7 +109,7 @@ class ToolCallStream:
         """Every call in a finished choice's text (a list cut short by max_tokens keeps its whole calls;
         a named call keeps its arguments as written)."""
         if self.name is not None:
-            return [ToolCall(_call_id(), FunctionCall(self.name, text))]
+            return [ToolCall(call_id(), FunctionCall(self.name, text))]
         self.text = text
         self.calls = self._complete_calls()
         return self.calls
@@ -123,4 +127,4 @@ class ToolCallStream:
             self._scan = end
             if isinstance(value, dict) and isinstance(value.get("name"), str):
                 arguments = json.dumps(value.get("parameters", {}), ensure_ascii=False)
-                out.append(ToolCall(_call_id(), FunctionCall(value["name"], arguments)))
+                out.append(ToolCall(call_id(), FunctionCall(value["name"], arguments)))

@@ -152,12 +152,12 @@ def check_calls(calls: list, allowed: dict[str, dict]) -> None:
 def streamed_calls(stream: openai.Stream) -> tuple[list, str | None, str | None]:
     """Tool calls put back together from their deltas, with the finish reason and any content."""
     calls: dict[int, dict] = {}
-    reason = content = None
+    reason, content = None, ""
     for chunk in stream:
         if not chunk.choices:
             continue
         choice = chunk.choices[0]
-        content = content or choice.delta.content
+        content += choice.delta.content or ""
         for d in choice.delta.tool_calls or []:
             call = calls.setdefault(d.index, {"id": d.id, "name": d.function.name, "arguments": ""})
             call["arguments"] += d.function.arguments or ""
@@ -168,7 +168,7 @@ def streamed_calls(stream: openai.Stream) -> tuple[list, str | None, str | None]
         )
         for c in calls.values()
     ]
-    return out, reason, content
+    return out, reason, content or None
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -192,6 +192,43 @@ def test_forced_tool_calls(client: openai.OpenAI, stream: bool) -> None:
             assert [c.function.name for c in calls] == ["get_weather"]
         if not parallel:
             assert len(calls) == 1
+
+
+CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}\n</tool_call>'
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_auto_tool_choice_parses_hermes_calls(tiny_server: Server, stream: bool) -> None:
+    """tool_choice "auto" on a server with the hermes parser: the reply's text (forced here by a choice
+    constraint, as a random model writes no calls) becomes its content and tool calls."""
+    client = openai.OpenAI(base_url=f"{tiny_server.url}/v1", api_key=API_KEY, max_retries=0, timeout=120)
+    model = client.models.list().data[0].id
+    for text, content in ((f"Let me check. {CALL}", "Let me check. "), (CALL + "\n" + CALL, None)):
+        kwargs = dict(
+            model=model, messages=ASK_WEATHER, tools=[WEATHER], max_tokens=120, temperature=0,
+            extra_body={"structured_outputs": {"choice": [text]}},
+        )  # fmt: skip
+        if stream:
+            calls, reason, got = streamed_calls(client.chat.completions.create(stream=True, **kwargs))
+        else:
+            r = client.chat.completions.create(**kwargs)
+            calls, reason, got = (
+                r.choices[0].message.tool_calls,
+                r.choices[0].finish_reason,
+                r.choices[0].message.content,
+            )
+        assert reason == "tool_calls" and got == content
+        assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == [
+            ("get_weather", {"city": "Paris", "unit": "celsius"})
+        ] * text.count("<tool_call>")
+        assert len({c.id for c in calls}) == len(calls)
+    # Without a call in the text, the reply is content, as without tools.
+    r = client.chat.completions.create(
+        model=model, messages=ASK_WEATHER, tools=[WEATHER], max_tokens=20, temperature=0,
+        extra_body={"structured_outputs": {"choice": ["No tool <tool needed."]}},
+    )  # fmt: skip
+    assert r.choices[0].message.content == "No tool <tool needed." and not r.choices[0].message.tool_calls
+    assert r.choices[0].finish_reason == "stop"
 
 
 def test_tool_choice_none_ignores_the_tools(client: openai.OpenAI) -> None:

@@ -1,0 +1,47 @@
+"""tool_choice "auto"'s hermes parser on its own: the same content and calls however the text is cut into
+deltas, tags split across deltas held back, unclosed and broken calls."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kiln.api.tool_parser import AutoToolStream
+
+CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Zürich"}}\n</tool_call>'
+TEXT = f"Let me check. {CALL}\n<tool_call>\n" + '{"name": "get_time", "parameters": {}}\n</tool_call>\nDone.'
+
+
+def streamed(text: str, size: int) -> tuple[str, list[tuple[str, dict]]]:
+    parsed, content, calls = AutoToolStream("hermes"), "", []
+    pieces = [text[i : i + size] for i in range(0, len(text), size)]
+    for i, piece in enumerate(pieces):
+        got, deltas = parsed.feed(piece, final=i == len(pieces) - 1)
+        content += got
+        calls += [(d.function.name, json.loads(d.function.arguments)) for d in deltas]
+    return content, calls
+
+
+@pytest.mark.parametrize("size", [1, 2, 3, 7, 11, 1000])
+def test_any_cut_into_deltas_gives_the_whole_reply(size: int) -> None:
+    content, calls = AutoToolStream("hermes").whole(TEXT)
+    assert content == "Let me check. "  # as vLLM: text after the first call is not content
+    want = [("get_weather", {"city": "Zürich"}), ("get_time", {})]
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == want
+    assert streamed(TEXT, size) == ("Let me check. ", want)
+
+
+def test_a_tail_that_may_open_a_tag_waits_for_the_next_delta() -> None:
+    parsed = AutoToolStream("hermes")
+    assert parsed.feed("Hello <tool", final=False) == ("Hello ", [])
+    assert parsed.feed("kit", final=False) == ("<toolkit", [])
+    assert parsed.feed(" <", final=True) == (" <", [])
+
+
+def test_unclosed_and_broken_calls() -> None:
+    content, calls = AutoToolStream("hermes").whole('<tool_call>{"name": "f", "arguments": {"x": 1}}')
+    assert content is None and [c.function.arguments for c in calls] == ['{"x": 1}']  # cut by max_tokens
+    broken = "Sure.<tool_call>{name: f}</tool_call>"
+    assert AutoToolStream("hermes").whole(broken) == (broken, [])  # left as the model wrote it
+    assert AutoToolStream("hermes").whole("No calls.") == ("No calls.", [])
