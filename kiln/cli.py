@@ -89,7 +89,7 @@ SERVE_FLAGS: dict[str, tuple[str, str, dict]] = {
         "enable_auto_tool_choice",
         {"action": "store_true", "help": 'tool_choice "auto", parsed by --tool-call-parser'},
     ),
-    "--tool-call-parser": ("server", "tool_call_parser", {"choices": ["hermes"]}),
+    "--tool-call-parser": ("server", "tool_call_parser", {"choices": ["hermes", "llama3_json"]}),
 }
 
 

@@ -177,11 +177,13 @@ class ServerConfig(_Section):
     # tool_choice "auto" (the default when a request gives tools): the model's text parsed into calls by
     # tool_call_parser, the format its chat template teaches. Off, "auto" is a 400, as in vLLM.
     enable_auto_tool_choice: bool = False
-    tool_call_parser: Literal["hermes"] | None = None
+    tool_call_parser: Literal["hermes", "llama3_json"] | None = None
 
     def __post_init__(self) -> None:
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
-            raise ValueError("server.enable_auto_tool_choice needs server.tool_call_parser (hermes)")
+            raise ValueError(
+                "server.enable_auto_tool_choice needs server.tool_call_parser (hermes or llama3_json)"
+            )
 
 
 class ServeConfig(EngineConfig):

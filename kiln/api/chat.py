@@ -38,7 +38,7 @@ from kiln.api.serving import (
     usage,
 )
 from kiln.api.tool_calls import ToolCallStream, forced_call_schema
-from kiln.api.tool_parser import AutoToolStream
+from kiln.api.tool_parser import PARSERS, HermesTools, Llama3JsonTools
 from kiln.engine.async_engine import AsyncEngine
 from kiln.engine.engine import MAX_LOGPROBS
 from kiln.engine.request import PositionLogprobs
@@ -90,7 +90,7 @@ async def create_chat_completion(
         if calls:
             message = AssistantMessage(None, role, ToolCallStream(call_name).whole(c.text))
         elif auto is not None:
-            content, found = AutoToolStream(auto).whole(c.text)
+            content, found = PARSERS[auto]().whole(c.text)
             message = AssistantMessage(None if content is None else echo + content, role, found)
             reason = "tool_calls" if found else reason  # as vLLM, whatever ended the text
         else:
@@ -157,7 +157,7 @@ class _Chunks:
         self.rid, self.model, self.k = rid, model, k
         self.role, self.echo = role, echo
         self.auto = auto  # tool_choice "auto"'s parser
-        self.parsed: dict[int, AutoToolStream] = {}
+        self.parsed: dict[int, HermesTools | Llama3JsonTools] = {}
         self.calls: dict[int, ToolCallStream] | None = {} if calls else None
         self.call_name = call_name
         self.as_ids, self.return_ids = body.return_tokens_as_token_ids, body.return_token_ids
@@ -184,7 +184,7 @@ class _Chunks:
                 stream = self.calls.setdefault(d.index, ToolCallStream(self.call_name))
                 delta = Delta(tool_calls=stream.feed(c.text) or None)
             elif self.auto is not None:
-                parsed = self.parsed.setdefault(d.index, AutoToolStream(self.auto))
+                parsed = self.parsed.setdefault(d.index, PARSERS[self.auto]())
                 content, found = parsed.feed(c.text, final=c.finish_reason is not None)
                 delta = Delta(content=content or None, tool_calls=found or None)
                 reason = "tool_calls" if parsed.calls and reason is not None else reason

@@ -1,6 +1,10 @@
 """tool_choice "auto": a model's free text into content and tool calls, by the format its chat template
-teaches (`server.tool_call_parser`, vLLM's --tool-call-parser). hermes (Qwen2.5 and 3, Hermes, and most
-models trained on them): each call a JSON object {"name", "arguments"} between <tool_call> tags."""
+teaches (`server.tool_call_parser`, vLLM's --tool-call-parser):
+- hermes (Qwen2.5 and 3, Hermes, and most models trained on them): each call a JSON object
+  {"name", "arguments"} between <tool_call> tags;
+- llama3_json (Llama 3.1 to 3.3 with JSON tool calling): a reply that is calls starts with a JSON object
+  {"name", "parameters"} (or <|python_tag|>), several separated by ";".
+Each parser reads a choice's text as it comes (`feed`) or whole (`whole`), the same either way."""
 
 from __future__ import annotations
 
@@ -11,18 +15,14 @@ from typing import Any
 from kiln.api.protocol import DeltaFunction, DeltaToolCall, FunctionCall, ToolCall
 from kiln.api.tool_calls import call_id
 
-# parser name -> the tags around each call
-PARSERS: dict[str, tuple[str, str]] = {"hermes": ("<tool_call>", "</tool_call>")}
-
 
 @dataclass(slots=True)
-class AutoToolStream:
+class HermesTools:
     """One choice's text, as it comes. The text before the first call is content, streamed as it comes
     less a tail that may be the start of a tag; each call is sent whole once its closing tag comes (or the
     text ends). As vLLM's hermes parser, text after the first call's tag is not content. A call whose JSON
     does not parse stays in the content as the model wrote it; vLLM then makes the whole reply content."""
 
-    parser: str
     text: str = ""
     pos: int = 0  # the text before pos is handled
     inside: bool = False  # within a call's tags
@@ -30,7 +30,7 @@ class AutoToolStream:
 
     def feed(self, delta: str, final: bool) -> tuple[str, list[DeltaToolCall]]:
         """The new content and calls; final: the text is whole (unclosed calls and held tails count)."""
-        opening, closing = PARSERS[self.parser]
+        opening, closing = "<tool_call>", "</tool_call>"
         self.text += delta
         text, content, out = self.text, [], []
         while True:
@@ -51,9 +51,7 @@ class AutoToolStream:
             if call is None:
                 content.append(opening + body + (closing if stop >= 0 else ""))
             else:
-                whole = DeltaFunction(call.function.name, call.function.arguments)
-                out.append(DeltaToolCall(len(self.calls), whole, call.id, "function"))
-                self.calls.append(call)
+                out.append(_sent(call, self.calls))
             self.pos, self.inside = (stop + len(closing) if stop >= 0 else len(text)), False
             if stop < 0:
                 break
@@ -61,6 +59,63 @@ class AutoToolStream:
 
     def whole(self, text: str) -> tuple[str | None, list[ToolCall]]:
         """A finished choice's content (None when empty) and calls."""
+        content, _ = self.feed(text, final=True)
+        return content or None, self.calls
+
+
+PYTHON_TAG = "<|python_tag|>"
+
+
+@dataclass(slots=True)
+class Llama3JsonTools:
+    """One choice's text, as it comes: content where it does not start with a JSON object (or
+    <|python_tag|>), streamed as it comes; calls where it does, sent whole when the text ends, if all of it
+    parses as calls separated by ";" (else the whole reply is content, as vLLM's llama3_json makes it).
+    Unlike vLLM's whole-reply parser, a JSON object after some text is content, as its streaming parser
+    has it, so both ways of reading a reply agree."""
+
+    text: str = ""
+    pos: int = 0  # the text before pos is handled
+    mode: str = ""  # "" undecided, "content" or "calls"
+    calls: list[ToolCall] = field(default_factory=list)
+
+    def feed(self, delta: str, final: bool) -> tuple[str, list[DeltaToolCall]]:
+        self.text += delta
+        if not self.mode:
+            head = self.text.lstrip()
+            if head.startswith((PYTHON_TAG, "{")):
+                self.mode = "calls"
+            elif final or (head and not PYTHON_TAG.startswith(head)):
+                self.mode = "content"
+        if self.mode == "content":
+            content, self.pos = self.text[self.pos :], len(self.text)
+            return content, []
+        if not final:
+            return "", []
+        found = self._parse()
+        if found is None:
+            self.mode = "content"
+            return self.text, []
+        return "", [_sent(call, self.calls) for call in found]
+
+    def _parse(self) -> list[ToolCall] | None:
+        text, decoder, found = self.text.lstrip(), json.JSONDecoder(), []
+        pos = len(PYTHON_TAG) if text.startswith(PYTHON_TAG) else 0
+        while True:
+            while pos < len(text) and text[pos] in " \t\r\n;":
+                pos += 1
+            if pos == len(text):
+                return found or None
+            try:
+                value, pos = decoder.raw_decode(text, pos)
+            except ValueError:
+                return None
+            call = _call(value)
+            if call is None:
+                return None
+            found.append(call)
+
+    def whole(self, text: str) -> tuple[str | None, list[ToolCall]]:
         content, _ = self.feed(text, final=True)
         return content or None, self.calls
 
@@ -73,14 +128,29 @@ def _held(text: str, tag: str) -> int:
     return 0
 
 
-def _call(body: str) -> ToolCall | None:
-    try:
-        value: Any = json.loads(body)
-    except ValueError:
-        return None
+def _call(value: Any) -> ToolCall | None:
+    """A call from its JSON, as text or parsed: {"name", "arguments" (or "parameters")}."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError:
+            return None
     if not isinstance(value, dict) or not isinstance(value.get("name"), str):
         return None
     arguments = value.get("arguments", value.get("parameters", {}))
     if not isinstance(arguments, str):
         arguments = json.dumps(arguments, ensure_ascii=False)
     return ToolCall(call_id(), FunctionCall(value["name"], arguments))
+
+
+def _sent(call: ToolCall, calls: list[ToolCall]) -> DeltaToolCall:
+    """The call as one whole delta, taking the next index."""
+    calls.append(call)
+    whole = DeltaFunction(call.function.name, call.function.arguments)
+    return DeltaToolCall(len(calls) - 1, whole, call.id, "function")
+
+
+PARSERS: dict[str, type[HermesTools] | type[Llama3JsonTools]] = {
+    "hermes": HermesTools,
+    "llama3_json": Llama3JsonTools,
+}

@@ -1,4 +1,4 @@
-"""tool_choice "auto"'s hermes parser on its own: the same content and calls however the text is cut into
+"""tool_choice "auto"'s parsers on their own: the same content and calls however the text is cut into
 deltas, tags split across deltas held back, unclosed and broken calls."""
 
 from __future__ import annotations
@@ -7,14 +7,16 @@ import json
 
 import pytest
 
-from kiln.api.tool_parser import AutoToolStream
+from kiln.api.tool_parser import HermesTools, Llama3JsonTools
 
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Zürich"}}\n</tool_call>'
 TEXT = f"Let me check. {CALL}\n<tool_call>\n" + '{"name": "get_time", "parameters": {}}\n</tool_call>\nDone.'
 
 
-def streamed(text: str, size: int) -> tuple[str, list[tuple[str, dict]]]:
-    parsed, content, calls = AutoToolStream("hermes"), "", []
+def streamed(
+    text: str, size: int, parser: type[HermesTools | Llama3JsonTools] = HermesTools
+) -> tuple[str, list[tuple[str, dict]]]:
+    parsed, content, calls = parser(), "", []
     pieces = [text[i : i + size] for i in range(0, len(text), size)]
     for i, piece in enumerate(pieces):
         got, deltas = parsed.feed(piece, final=i == len(pieces) - 1)
@@ -25,7 +27,7 @@ def streamed(text: str, size: int) -> tuple[str, list[tuple[str, dict]]]:
 
 @pytest.mark.parametrize("size", [1, 2, 3, 7, 11, 1000])
 def test_any_cut_into_deltas_gives_the_whole_reply(size: int) -> None:
-    content, calls = AutoToolStream("hermes").whole(TEXT)
+    content, calls = HermesTools().whole(TEXT)
     assert content == "Let me check. "  # as vLLM: text after the first call is not content
     want = [("get_weather", {"city": "Zürich"}), ("get_time", {})]
     assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == want
@@ -33,15 +35,38 @@ def test_any_cut_into_deltas_gives_the_whole_reply(size: int) -> None:
 
 
 def test_a_tail_that_may_open_a_tag_waits_for_the_next_delta() -> None:
-    parsed = AutoToolStream("hermes")
+    parsed = HermesTools()
     assert parsed.feed("Hello <tool", final=False) == ("Hello ", [])
     assert parsed.feed("kit", final=False) == ("<toolkit", [])
     assert parsed.feed(" <", final=True) == (" <", [])
 
 
 def test_unclosed_and_broken_calls() -> None:
-    content, calls = AutoToolStream("hermes").whole('<tool_call>{"name": "f", "arguments": {"x": 1}}')
+    content, calls = HermesTools().whole('<tool_call>{"name": "f", "arguments": {"x": 1}}')
     assert content is None and [c.function.arguments for c in calls] == ['{"x": 1}']  # cut by max_tokens
     broken = "Sure.<tool_call>{name: f}</tool_call>"
-    assert AutoToolStream("hermes").whole(broken) == (broken, [])  # left as the model wrote it
-    assert AutoToolStream("hermes").whole("No calls.") == ("No calls.", [])
+    assert HermesTools().whole(broken) == (broken, [])  # left as the model wrote it
+    assert HermesTools().whole("No calls.") == ("No calls.", [])
+
+
+LLAMA = '{"name": "get_weather", "parameters": {"city": "Zürich"}}; {"name": "get_time", "arguments": {}}'
+
+
+@pytest.mark.parametrize("size", [1, 4, 1000])
+def test_llama3_json_calls_content_and_broken_replies(size: int) -> None:
+    want = [("get_weather", {"city": "Zürich"}), ("get_time", {})]
+    for text in (LLAMA, "<|python_tag|>" + LLAMA, "  " + LLAMA + "\n"):
+        content, calls = Llama3JsonTools().whole(text)
+        assert (
+            content is None and [(c.function.name, json.loads(c.function.arguments)) for c in calls] == want
+        )
+        assert streamed(text, size, Llama3JsonTools) == ("", want)
+    for text in (
+        "The weather is fine.",
+        'Here: {"name": "f", "parameters": {}}',
+        '{"answer": 42}',
+        "{broken",
+    ):
+        assert Llama3JsonTools().whole(text) == (text, [])  # a JSON reply that is no call is content
+        assert streamed(text, size, Llama3JsonTools) == (text, [])
+    assert Llama3JsonTools().feed("<|python", final=False) == ("", [])  # may still open the tag
