@@ -178,6 +178,8 @@ class ServerConfig(_Section):
     # tool_call_parser, the format its chat template teaches. Off, "auto" is a 400, as in vLLM.
     enable_auto_tool_choice: bool = False
     tool_call_parser: Literal["hermes", "llama3_json"] | None = None
+    # A reasoning model's <think> text apart from its answer, as each chat reply's `reasoning`.
+    reasoning_parser: Literal["deepseek_r1", "qwen3"] | None = None
 
     def __post_init__(self) -> None:
         if self.enable_auto_tool_choice and self.tool_call_parser is None:

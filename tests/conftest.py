@@ -74,11 +74,12 @@ def tiny_server(tmp_path_factory: pytest.TempPathFactory, default_model_dir: Pat
         "cache": {"kv_cache_gib": 0.0625},
         "scheduler": {"max_num_seqs": 16},
         "compile": {"mode": "eager"},
-        # tool_choice "auto" parsed as hermes: the tool-call tests force the format with a constraint.
+        # tool_choice "auto" read as hermes, thinking as qwen3: their tests force the text by a constraint.
         "server": {
             "api_key": API_KEY,
             "enable_auto_tool_choice": True,
             "tool_call_parser": "hermes",
+            "reasoning_parser": "qwen3",
             **TINY_LIMITS,
         },
     }

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import functools
 import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
 
+from msgspec import UNSET, UnsetType
 from starlette.requests import Request
 from starlette.responses import Response
 
@@ -19,10 +22,12 @@ from kiln.api.protocol import (
     ChatCompletionResponse,
     ChatLogprobs,
     Delta,
+    DeltaToolCall,
     TextPart,
     TokenLogprob,
     TopLogprob,
 )
+from kiln.api.reasoning import ThinkSplit
 from kiln.api.serving import (
     ChoiceDelta,
     constraint,
@@ -75,10 +80,13 @@ async def create_chat_completion(
     params = sampling_params(body, len(ids), engine.max_model_len, max_tokens, k, body.prompt_logprobs, so)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     streams = start_all(engine, rid, [ids], [params])
+    # A forced call's JSON is constrained from the first token: there is no thinking to set apart.
+    think = server.reasoning_parser if not calls else None
+    reading = functools.partial(_Reading.start, think, auto, body.include_reasoning)
     if body.stream:
         final_usage, continuous = include_usage(body)
         usage_chunk = functools.partial(ChatCompletionChunk, id=rid, model=model) if final_usage else None
-        chunks = _Chunks(rid, model, k, calls, call_name, body, role, echo, auto)
+        chunks = _Chunks(rid, model, k, calls, call_name, body, role, echo, reading)
         return stream_response(merged(streams), 1, chunks, usage_chunk, continuous)
     outputs = await final_outputs(request, streams)
     if outputs is None:
@@ -89,12 +97,15 @@ async def create_chat_completion(
         reason = _finish(c.finish_reason, calls)
         if calls:
             message = AssistantMessage(None, role, ToolCallStream(call_name).whole(c.text))
-        elif auto is not None:
-            content, found = PARSERS[auto]().whole(c.text)
-            message = AssistantMessage(None if content is None else echo + content, role, found)
-            reason = "tool_calls" if found else reason  # as vLLM, whatever ended the text
         else:
-            message = AssistantMessage(echo + c.text, role)
+            r = reading()
+            reasoning, content, _ = r.feed(c.text, final=True)
+            if r.called:
+                reason = "tool_calls"  # as vLLM, whatever ended the text
+            text = echo + content if content or auto is None else None
+            message = AssistantMessage(
+                text, role, r.auto.calls if r.auto else [], r.reasoning_field(reasoning)
+            )
         as_ids = body.return_tokens_as_token_ids
         logprobs = None if k is None else chat_logprobs(c.token_ids, c.logprobs or [], k, as_ids)
         ids = ids_if(body.return_token_ids, c.token_ids)
@@ -138,6 +149,44 @@ def chat_logprobs(
     return ChatLogprobs(content)
 
 
+@dataclass(slots=True)
+class _Reading:
+    """How a choice's text becomes its message when no call is forced: a reasoning model's thinking apart
+    (server.reasoning_parser), then the calls the model chose (tool_choice "auto"), the rest content."""
+
+    think: ThinkSplit | None
+    auto: HermesTools | Llama3JsonTools | None
+    include_reasoning: bool
+
+    @classmethod
+    def start(cls, think: str | None, auto: str | None, include_reasoning: bool) -> _Reading:
+        return cls(
+            None if think is None else ThinkSplit(think),
+            None if auto is None else PARSERS[auto](),
+            include_reasoning,
+        )
+
+    def feed(self, text: str, final: bool) -> tuple[str, str, list[DeltaToolCall]]:
+        """(reasoning, content, calls) new in this text."""
+        reasoning = ""
+        if self.think is not None:
+            reasoning, text = self.think.feed(text, final)
+        if self.auto is None:
+            return reasoning, text, []
+        content, calls = self.auto.feed(text, final)
+        return reasoning, content, calls
+
+    @property
+    def called(self) -> bool:
+        return self.auto is not None and bool(self.auto.calls)
+
+    def reasoning_field(self, reasoning: str) -> str | UnsetType | None:
+        """The message's `reasoning`: left out without a reasoning parser, or when the request asks so."""
+        if self.think is None or not self.include_reasoning:
+            return UNSET
+        return reasoning or None
+
+
 class _Chunks:
     """A stream's chunks: a role chunk to open each choice (as OpenAI), then its content, or its tool-call
     deltas when a call is forced."""
@@ -152,12 +201,12 @@ class _Chunks:
         body: ChatCompletionRequest,
         role: str,
         echo: str,
-        auto: str | None,
+        reading: Callable[[], _Reading],
     ) -> None:
         self.rid, self.model, self.k = rid, model, k
         self.role, self.echo = role, echo
-        self.auto = auto  # tool_choice "auto"'s parser
-        self.parsed: dict[int, HermesTools | Llama3JsonTools] = {}
+        self.reading = reading
+        self.readings: dict[int, _Reading] = {}  # each choice's
         self.calls: dict[int, ToolCallStream] | None = {} if calls else None
         self.call_name = call_name
         self.as_ids, self.return_ids = body.return_tokens_as_token_ids, body.return_token_ids
@@ -178,16 +227,19 @@ class _Chunks:
             logprobs = None
             if self.k is not None:
                 logprobs = chat_logprobs(c.token_ids, c.logprobs or [], self.k, self.as_ids)
-            delta = Delta(content=c.text)
             reason = _finish(c.finish_reason, self.calls is not None)
             if self.calls is not None:
                 stream = self.calls.setdefault(d.index, ToolCallStream(self.call_name))
                 delta = Delta(tool_calls=stream.feed(c.text) or None)
-            elif self.auto is not None:
-                parsed = self.parsed.setdefault(d.index, PARSERS[self.auto]())
-                content, found = parsed.feed(c.text, final=c.finish_reason is not None)
-                delta = Delta(content=content or None, tool_calls=found or None)
-                reason = "tool_calls" if parsed.calls and reason is not None else reason
+            else:
+                r = self.readings.setdefault(d.index, self.reading())
+                reasoning, content, found = r.feed(c.text, final=c.finish_reason is not None)
+                if r.think is None and r.auto is None:
+                    delta = Delta(content=content)  # as it came, an empty text included
+                else:
+                    shown = reasoning if r.include_reasoning else ""
+                    delta = Delta(content=content or None, reasoning=shown or None, tool_calls=found or None)
+                reason = "tool_calls" if r.called and reason is not None else reason
             ids = ids_if(self.return_ids, c.token_ids)
             choices.append(ChatChunkChoice(d.index, delta, logprobs, reason, c.stop_reason, ids))
         out.append(self._chunk(choices))

@@ -149,6 +149,7 @@ class ChatCompletionRequest(_SamplingRequest, kw_only=True):
     echo: bool = False  # vLLM's: the reply starts with the last message, where it has the reply's role
     documents: list[dict[str, str]] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    include_reasoning: bool = True  # vLLM's: the reasoning in the reply, with a reasoning parser
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
@@ -233,6 +234,7 @@ class AssistantMessage(msgspec.Struct):
     content: str | None
     role: str = "assistant"
     tool_calls: list[ToolCall] = msgspec.field(default_factory=list)
+    reasoning: str | UnsetType | None = UNSET  # vLLM's, with a reasoning parser
 
 
 class ChatChoice(msgspec.Struct):
@@ -270,6 +272,7 @@ class DeltaToolCall(msgspec.Struct, omit_defaults=True):
 class Delta(msgspec.Struct, omit_defaults=True):
     role: str | None = None
     content: str | None = None
+    reasoning: str | None = None
     tool_calls: list[DeltaToolCall] | None = None
 
 

@@ -36,7 +36,7 @@ class HermesTools:
         while True:
             if not self.inside:
                 start = text.find(opening, self.pos)
-                end = start if start >= 0 else len(text) - (0 if final else _held(text, opening))
+                end = start if start >= 0 else len(text) - (0 if final else held(text, opening))
                 if not self.calls:
                     content.append(text[self.pos : end])
                 self.pos = max(self.pos, end)
@@ -120,7 +120,7 @@ class Llama3JsonTools:
         return content or None, self.calls
 
 
-def _held(text: str, tag: str) -> int:
+def held(text: str, tag: str) -> int:
     """How many of text's last characters could begin tag: they wait for the next delta."""
     for n in range(min(len(tag) - 1, len(text)), 0, -1):
         if tag.startswith(text[-n:]):

@@ -231,6 +231,39 @@ def test_auto_tool_choice_parses_hermes_calls(tiny_server: Server, stream: bool)
     assert r.choices[0].finish_reason == "stop"
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_reasoning_apart_from_the_answer(tiny_server: Server, stream: bool) -> None:
+    """A qwen3 reasoning parser: <think> text is the reply's `reasoning`, the rest its content, and tool
+    calls (tool_choice "auto") are read from the content only."""
+    client = openai.OpenAI(base_url=f"{tiny_server.url}/v1", api_key=API_KEY, max_retries=0, timeout=120)
+    model = client.models.list().data[0].id
+    cases = [
+        ("<think>The user asks for 2+2.</think>It is 4.", "The user asks for 2+2.", "It is 4.", 0, {}, {}),
+        ("No thinking here.", None, "No thinking here.", 0, {}, {}),
+        (f"<think>Weather: call it.</think>{CALL}", "Weather: call it.", None, 1, {"tools": [WEATHER]}, {}),
+        ("<think>Hidden.</think>Shown.", None, "Shown.", 0, {}, {"include_reasoning": False}),
+    ]
+    for text, reasoning, content, calls, tools, extra in cases:
+        body = {"structured_outputs": {"choice": [text]}, **extra}
+        kwargs = dict(
+            model=model, messages=ASK_WEATHER, max_tokens=120, temperature=0, extra_body=body, **tools
+        )
+        if stream:
+            chunks = list(client.chat.completions.create(stream=True, **kwargs))
+            deltas = [c.choices[0].delta for c in chunks if c.choices]
+            got_reasoning = "".join(getattr(d, "reasoning", None) or "" for d in deltas) or None
+            got_content = "".join(d.content or "" for d in deltas) or None
+            got_calls = sum(len(d.tool_calls or []) for d in deltas)
+            reason = [c.choices[0].finish_reason for c in chunks if c.choices][-1]
+        else:
+            choice = client.chat.completions.create(**kwargs).choices[0]
+            message, reason = choice.message, choice.finish_reason
+            got_reasoning, got_content = getattr(message, "reasoning", None), message.content
+            got_calls = len(message.tool_calls or [])
+        assert (got_reasoning, got_content, got_calls) == (reasoning, content, calls)
+        assert reason == ("tool_calls" if calls else "stop")
+
+
 def test_tool_choice_none_ignores_the_tools(client: openai.OpenAI) -> None:
     plain = client.chat.completions.create(model=MODEL, messages=ASK_WEATHER, max_tokens=12, temperature=0)
     none = client.chat.completions.create(
