@@ -102,7 +102,8 @@ async def create_chat_completion(
             reasoning, content, _ = r.feed(c.text, final=True)
             if r.called:
                 reason = "tool_calls"  # as vLLM, whatever ended the text
-            text = echo + content if content or auto is None else None
+            # Parsed, an empty content is none (vLLM's null); plain, it is the model's empty text.
+            text = echo + content if content or r.plain else echo or None
             message = AssistantMessage(
                 text, role, r.auto.calls if r.auto else [], r.reasoning_field(reasoning)
             )
@@ -177,6 +178,10 @@ class _Reading:
         return reasoning, content, calls
 
     @property
+    def plain(self) -> bool:
+        return self.think is None and self.auto is None
+
+    @property
     def called(self) -> bool:
         return self.auto is not None and bool(self.auto.calls)
 
@@ -234,7 +239,7 @@ class _Chunks:
             else:
                 r = self.readings.setdefault(d.index, self.reading())
                 reasoning, content, found = r.feed(c.text, final=c.finish_reason is not None)
-                if r.think is None and r.auto is None:
+                if r.plain:
                     delta = Delta(content=content)  # as it came, an empty text included
                 else:
                     shown = reasoning if r.include_reasoning else ""

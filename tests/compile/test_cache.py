@@ -119,7 +119,8 @@ def test_second_start_recompiles_nothing_and_an_export_loads_elsewhere(
         p.relative_to(tmp_path / "elsewhere"): p.stat().st_mtime
         for p in (tmp_path / "elsewhere" / "inductor").rglob("*.so")
     }
-    assert len(libraries) == 2 and there.keys() == libraries.keys()
+    # The two graph classes' libraries; on an AVX-512 CPU also Inductor's ISA probes (avx512_bf16, vnni).
+    assert sum(p.name.endswith(".main.so") for p in libraries) == 2 and there.keys() == libraries.keys()
     assert all(abs(there[p] - libraries[p]) <= 2 for p in libraries)  # the export's files, not new builds
     third = json.loads((tmp_path / "third.json").read_text())
     assert set(third["counters"].values()) == {0}
