@@ -193,8 +193,8 @@ class _Reading:
 
 
 class _Chunks:
-    """A stream's chunks: a role chunk to open each choice (as OpenAI), then its content, or its tool-call
-    deltas when a call is forced."""
+    """A stream's chunks: a role chunk to open each choice (as OpenAI), then its content (and reasoning, and
+    the calls it chose, as _Reading sets them apart), or its tool-call deltas when a call is forced."""
 
     def __init__(
         self,
@@ -237,7 +237,9 @@ class _Chunks:
                 stream = self.calls.setdefault(d.index, ToolCallStream(self.call_name))
                 delta = Delta(tool_calls=stream.feed(c.text) or None)
             else:
-                r = self.readings.setdefault(d.index, self.reading())
+                r = self.readings.get(d.index)
+                if r is None:
+                    r = self.readings[d.index] = self.reading()
                 reasoning, content, found = r.feed(c.text, final=c.finish_reason is not None)
                 if r.plain:
                     delta = Delta(content=content)  # as it came, an empty text included
