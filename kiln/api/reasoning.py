@@ -21,30 +21,28 @@ class ThinkSplit:
     A tail that may be the start of a tag waits for the next delta."""
 
     parser: str
-    text: str = ""
-    pos: int = 0  # the text before pos is handled
+    text: str = ""  # what is not yet sent: a tail that may be a tag's start (a delta's work, not a reply's)
     state: str = "start"  # "start" (nothing read yet), "thinking" or "answering"
 
     def feed(self, delta: str, final: bool) -> tuple[str, str]:
-        self.text += delta
-        text, reasoning, content = self.text, "", ""
+        text, reasoning, self.text = self.text + delta, "", ""
         if self.state == "start":
-            head = text[self.pos :].lstrip()
+            head = text.lstrip()
             if head.startswith(OPEN):
-                self.pos, self.state = len(text) - len(head) + len(OPEN), "thinking"
+                text, self.state = head[len(OPEN) :], "thinking"
             elif not final and OPEN.startswith(head):
-                return "", ""  # may still open with the tag
+                self.text = text  # may still open with the tag
+                return "", ""
             else:
                 self.state = "thinking" if self.parser == "deepseek_r1" else "answering"
         if self.state == "thinking":
-            stop = text.find(CLOSE, self.pos)
-            end = stop if stop >= 0 else len(text) - (0 if final else held(text, CLOSE))
-            reasoning, self.pos = text[self.pos : max(end, self.pos)], max(end, self.pos)
+            stop = text.find(CLOSE)
             if stop < 0:
+                end = len(text) - (0 if final else held(text, CLOSE))
+                reasoning, self.text = text[:end], text[end:]
                 return reasoning, ""
-            self.pos, self.state = stop + len(CLOSE), "answering"
-        content, self.pos = text[self.pos :], len(text)
-        return reasoning, content
+            reasoning, text, self.state = text[:stop], text[stop + len(CLOSE) :], "answering"
+        return reasoning, text
 
     def whole(self, text: str) -> tuple[str | None, str | None]:
         """A finished choice's reasoning and content (None where empty)."""

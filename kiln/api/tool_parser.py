@@ -23,14 +23,16 @@ class HermesTools:
     text ends). As vLLM's hermes parser, text after the first call's tag is not content. A call whose JSON
     does not parse stays in the content as the model wrote it; vLLM then makes the whole reply content."""
 
-    text: str = ""
-    pos: int = 0  # the text before pos is handled
+    text: str = ""  # what is not yet handled: an open call's text, or a tail that may start a tag
     inside: bool = False  # within a call's tags
     calls: list[ToolCall] = field(default_factory=list)
+    pos: int = 0  # the text before pos is handled, within one feed
 
     def feed(self, delta: str, final: bool) -> tuple[str, list[DeltaToolCall]]:
         """The new content and calls; final: the text is whole (unclosed calls and held tails count)."""
         opening, closing = "<tool_call>", "</tool_call>"
+        # Only the unhandled tail is kept between deltas, so a delta's work never grows with the reply.
+        scanned = max(len(self.text) - len(closing), 0) if self.inside else 0
         self.text += delta
         text, content, out = self.text, [], []
         while True:
@@ -43,7 +45,8 @@ class HermesTools:
                 if start < 0:
                     break
                 self.pos, self.inside = start + len(opening), True
-            stop = text.find(closing, self.pos)
+            stop = text.find(closing, max(self.pos, scanned))
+            scanned = 0
             if stop < 0 and not final:
                 break
             body = text[self.pos : stop if stop >= 0 else len(text)]
@@ -55,6 +58,7 @@ class HermesTools:
             self.pos, self.inside = (stop + len(closing) if stop >= 0 else len(text)), False
             if stop < 0:
                 break
+        self.text, self.pos = text[self.pos :], 0
         return "".join(content), out
 
     def whole(self, text: str) -> tuple[str | None, list[ToolCall]]:
@@ -74,32 +78,32 @@ class Llama3JsonTools:
     Unlike vLLM's whole-reply parser, a JSON object after some text is content, as its streaming parser
     has it, so both ways of reading a reply agree."""
 
-    text: str = ""
-    pos: int = 0  # the text before pos is handled
+    pieces: list[str] = field(default_factory=list)  # the text not yet sent, joined only at the end
     mode: str = ""  # "" undecided, "content" or "calls"
     calls: list[ToolCall] = field(default_factory=list)
 
     def feed(self, delta: str, final: bool) -> tuple[str, list[DeltaToolCall]]:
-        self.text += delta
+        self.pieces.append(delta)
         if not self.mode:
-            head = self.text.lstrip()
+            head = "".join(self.pieces).lstrip()  # short: undecided only until the reply's first characters
             if head.startswith((PYTHON_TAG, "{")):
                 self.mode = "calls"
             elif final or (head and not PYTHON_TAG.startswith(head)):
                 self.mode = "content"
         if self.mode == "content":
-            content, self.pos = self.text[self.pos :], len(self.text)
+            content, self.pieces = "".join(self.pieces), []
             return content, []
         if not final:
             return "", []
-        found = self._parse()
+        text, self.pieces = "".join(self.pieces), []
+        found = self._parse(text)
         if found is None:
             self.mode = "content"
-            return self.text, []
+            return text, []
         return "", [_sent(call, self.calls) for call in found]
 
-    def _parse(self) -> list[ToolCall] | None:
-        text, decoder, found = self.text.lstrip(), json.JSONDecoder(), []
+    def _parse(self, text: str) -> list[ToolCall] | None:
+        text, decoder, found = text.lstrip(), json.JSONDecoder(), []
         pos = len(PYTHON_TAG) if text.startswith(PYTHON_TAG) else 0
         while True:
             while pos < len(text) and text[pos] in " \t\r\n;":
