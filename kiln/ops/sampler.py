@@ -57,15 +57,18 @@ class Sampler:
         in vLLM); the rest works on a copy, and logprobs come from the logits before it."""
         if meta.allowed is not None:
             self.mask(logits, *meta.allowed)
-        # All greedy with no penalty, bias or ban: preparing would copy the logits and divide by 1.
+        # All greedy with no penalty or bias: preparing would copy the logits and divide by 1. Bans and
+        # allowed ids (min_tokens, bad_words) then go on the step's own logits, unless logprobs read them.
+        masks = meta.banned is not None or meta.only is not None
         plain = (
             meta.all_greedy
             and meta.penalties is None
             and meta.logit_bias is None
-            and meta.banned is None
-            and meta.only is None
+            and not (masks and meta.want_logprobs)
         )
         processed = logits if plain else self.prepare(logits, meta)
+        if plain and meta.banned is not None:
+            processed[meta.banned] = processed.new_full((), float("-inf"))
         if meta.only is not None:
             keep_only(processed, *meta.only)
         token_ids = self.argmax(processed)
