@@ -162,8 +162,9 @@ class LLMEngine:
         if any(not 0 <= t < vocab for t in ids):
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
 
-    def check_params(self, params: SamplingParams) -> None:
-        """What SamplingParams can't check alone: limits that depend on the model."""
+    def check_params(self, params: SamplingParams) -> BadWords:
+        """What SamplingParams can't check alone: limits that depend on the model. Returns the bad words
+        as token sequences, which checking them makes."""
         vocab = self.model.dims.vocab_size
         for name in ("logprobs", "prompt_logprobs"):
             k = getattr(params, name)
@@ -173,18 +174,16 @@ class LLMEngine:
             bad = [t for t in getattr(params, name) or () if not 0 <= t < vocab]
             if bad:
                 raise ValueError(f"{name} token ids must be in [0, {vocab}), got {bad[:4]}")
-        if params.bad_words:
-            tokenize_bad_words(self.tokenizer, params.bad_words, vocab)
         if params.structured_outputs is not None:
             self.grammars.check(params.structured_outputs)
+        return tokenize_bad_words(self.tokenizer, params.bad_words, vocab)
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> None:
         """Validates, then queues; raises ValueError (and queues nothing) for a bad prompt or params."""
         if request_id in self.output.parents:
             raise ValueError(f"request id {request_id!r} is already in use")
-        self.check_params(params)
+        bad_words = self.check_params(params)
         ids = self.tokenize(prompt, params)
-        bad_words = tokenize_bad_words(self.tokenizer, params.bad_words, self.model.dims.vocab_size)
         so = params.structured_outputs
         constraint = None if so is None else self.grammars.check(so)  # parsed once, for every child
         children = []
