@@ -24,16 +24,8 @@ from kiln.api.chat import create_chat_completion
 from kiln.api.completions import create_completion
 from kiln.api.errors import APIError, as_api_error
 from kiln.api.inputs import Inputs
-from kiln.api.protocol import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    DetokenizeRequest,
-    DetokenizeResponse,
-    ModelCard,
-    ModelList,
-    TokenizeRequest,
-    TokenizeResponse,
-)
+from kiln.api.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from kiln.api.responses import DetokenizeResponse, ModelCard, ModelList, TokenizeResponse
 from kiln.config import ServeConfig
 from kiln.engine.async_engine import AsyncEngine
 from kiln.version import VERSION

@@ -13,21 +13,20 @@ from starlette.responses import Response
 
 from kiln.api.errors import APIError
 from kiln.api.inputs import Inputs
-from kiln.api.protocol import (
+from kiln.api.protocol import ChatCompletionRequest, TextPart
+from kiln.api.reasoning import ThinkSplit
+from kiln.api.responses import (
     AssistantMessage,
     ChatChoice,
     ChatChunkChoice,
     ChatCompletionChunk,
-    ChatCompletionRequest,
     ChatCompletionResponse,
     ChatLogprobs,
     Delta,
     DeltaToolCall,
-    TextPart,
     TokenLogprob,
     TopLogprob,
 )
-from kiln.api.reasoning import ThinkSplit
 from kiln.api.serving import (
     ChoiceDelta,
     constraint,

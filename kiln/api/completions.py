@@ -14,12 +14,8 @@ from starlette.responses import Response
 
 from kiln.api.errors import APIError
 from kiln.api.inputs import Inputs
-from kiln.api.protocol import (
-    CompletionChoice,
-    CompletionLogprobs,
-    CompletionRequest,
-    CompletionResponse,
-)
+from kiln.api.protocol import CompletionRequest
+from kiln.api.responses import CompletionChoice, CompletionLogprobs, CompletionResponse
 from kiln.api.serving import (
     ChoiceDelta,
     constraint,

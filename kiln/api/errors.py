@@ -9,7 +9,7 @@ from http import HTTPStatus
 import msgspec
 from starlette.responses import Response
 
-from kiln.api.protocol import ErrorInfo, ErrorResponse
+from kiln.api.responses import ErrorInfo, ErrorResponse
 from kiln.engine.async_engine import EngineDeadError
 from kiln.sampling_params import SamplingParams
 

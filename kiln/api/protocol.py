@@ -1,19 +1,14 @@
-"""Request and response bodies of the OpenAI API (plus vLLM's extra fields), as msgspec Structs.
-Requests refuse unknown fields and wrong types (a field kiln does not implement is a 400 that names it,
-never silence); responses encode straight to JSON."""
+"""Request bodies of the OpenAI API (plus vLLM's extra fields), as msgspec Structs. They refuse unknown
+fields and wrong types: a field kiln does not implement is a 400 that names it, never silence. The
+responses are in kiln.api.responses."""
 
 from __future__ import annotations
 
-import time
 from typing import Any, Literal, Protocol
 
 import msgspec
-from msgspec import UNSET, UnsetType
 
-from kiln.engine.request import PositionLogprobs
 from kiln.sampling_params import StructuredOutputsParams
-
-# -- requests --------------------------------------------------------------------------------------
 
 
 class _Strict(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -169,163 +164,3 @@ class TokenizeRequest(msgspec.Struct, kw_only=True):
 class DetokenizeRequest(msgspec.Struct, kw_only=True):
     tokens: list[int]
     model: str | None = None
-
-
-# -- responses -------------------------------------------------------------------------------------
-
-
-def _now() -> int:
-    return int(time.time())
-
-
-class Usage(msgspec.Struct):
-    prompt_tokens: int
-    completion_tokens: int
-    total_tokens: int
-
-
-class CompletionLogprobs(msgspec.Struct):
-    text_offset: list[int] = msgspec.field(default_factory=list)
-    token_logprobs: list[float | None] = msgspec.field(default_factory=list)
-    tokens: list[str] = msgspec.field(default_factory=list)
-    top_logprobs: list[dict[str, float] | None] = msgspec.field(default_factory=list)
-
-
-class CompletionChoice(msgspec.Struct):
-    index: int
-    text: str
-    logprobs: CompletionLogprobs | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    # vLLM's, left out unless asked: the prompt's logprobs (whole responses only), its ids (a choice's first
-    # chunk when streamed) and the output's ids (each chunk's own).
-    prompt_logprobs: list[PositionLogprobs | None] | UnsetType = UNSET
-    prompt_token_ids: list[int] | UnsetType = UNSET
-    token_ids: list[int] | UnsetType = UNSET
-
-
-class CompletionResponse(msgspec.Struct, kw_only=True):
-    id: str
-    model: str
-    choices: list[CompletionChoice]
-    usage: Usage | None = None
-    object: Literal["text_completion"] = "text_completion"
-    created: int = msgspec.field(default_factory=_now)
-
-
-class TopLogprob(msgspec.Struct):
-    token: str
-    logprob: float
-    bytes: list[int]
-
-
-class TokenLogprob(msgspec.Struct):
-    token: str
-    logprob: float
-    bytes: list[int]
-    top_logprobs: list[TopLogprob]
-
-
-class ChatLogprobs(msgspec.Struct):
-    content: list[TokenLogprob]
-
-
-class AssistantMessage(msgspec.Struct):
-    content: str | None
-    role: str = "assistant"
-    tool_calls: list[ToolCall] = msgspec.field(default_factory=list)
-    reasoning: str | UnsetType | None = UNSET  # vLLM's, with a reasoning parser
-
-
-class ChatChoice(msgspec.Struct):
-    index: int
-    message: AssistantMessage
-    logprobs: ChatLogprobs | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    token_ids: list[int] | UnsetType = UNSET  # vLLM's return_token_ids
-
-
-class ChatCompletionResponse(msgspec.Struct, kw_only=True):
-    id: str
-    model: str
-    choices: list[ChatChoice]
-    usage: Usage
-    prompt_logprobs: list[PositionLogprobs | None] | UnsetType = UNSET  # vLLM's, as asked
-    prompt_token_ids: list[int] | UnsetType = UNSET
-    object: Literal["chat.completion"] = "chat.completion"
-    created: int = msgspec.field(default_factory=_now)
-
-
-class DeltaFunction(msgspec.Struct, omit_defaults=True):
-    name: str | None = None
-    arguments: str | None = None
-
-
-class DeltaToolCall(msgspec.Struct, omit_defaults=True):
-    index: int
-    function: DeltaFunction
-    id: str | None = None
-    type: Literal["function"] | None = None
-
-
-class Delta(msgspec.Struct, omit_defaults=True):
-    role: str | None = None
-    content: str | None = None
-    reasoning: str | None = None
-    tool_calls: list[DeltaToolCall] | None = None
-
-
-class ChatChunkChoice(msgspec.Struct):
-    index: int
-    delta: Delta
-    logprobs: ChatLogprobs | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    token_ids: list[int] | UnsetType = UNSET
-
-
-class ChatCompletionChunk(msgspec.Struct, kw_only=True):
-    id: str
-    model: str
-    choices: list[ChatChunkChoice]
-    usage: Usage | None = None
-    prompt_token_ids: list[int] | UnsetType = UNSET  # the first chunk's, with return_token_ids
-    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int = msgspec.field(default_factory=_now)
-
-
-class ModelCard(msgspec.Struct, kw_only=True):
-    id: str
-    root: str
-    max_model_len: int
-    object: Literal["model"] = "model"
-    created: int = msgspec.field(default_factory=_now)
-    owned_by: str = "kiln"
-    parent: str | None = None
-
-
-class ModelList(msgspec.Struct):
-    data: list[ModelCard]
-    object: Literal["list"] = "list"
-
-
-class TokenizeResponse(msgspec.Struct):
-    count: int
-    max_model_len: int
-    tokens: list[int]
-
-
-class DetokenizeResponse(msgspec.Struct):
-    prompt: str
-
-
-class ErrorInfo(msgspec.Struct):
-    message: str
-    type: str
-    param: str | None
-    code: int
-
-
-class ErrorResponse(msgspec.Struct):
-    error: ErrorInfo

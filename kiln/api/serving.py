@@ -16,7 +16,8 @@ from starlette.responses import StreamingResponse
 
 from kiln.api.errors import APIError, as_api_error
 from kiln.api.inputs import Inputs
-from kiln.api.protocol import Usage, _SamplingRequest
+from kiln.api.protocol import _SamplingRequest
+from kiln.api.responses import Usage
 from kiln.engine.async_engine import AsyncEngine, RequestStream
 from kiln.engine.output import CompletionOutput, RequestOutput, merge
 from kiln.engine.request import PositionLogprobs

@@ -11,14 +11,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kiln.api.errors import APIError
-from kiln.api.protocol import (
-    ChatCompletionRequest,
-    DeltaFunction,
-    DeltaToolCall,
-    FunctionCall,
-    NamedToolChoice,
-    ToolCall,
-)
+from kiln.api.protocol import ChatCompletionRequest, FunctionCall, NamedToolChoice, ToolCall
+from kiln.api.responses import DeltaFunction, DeltaToolCall
 
 _NO_ARGUMENTS: dict[str, Any] = {"type": "object", "properties": {}}
 

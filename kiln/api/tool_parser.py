@@ -12,7 +12,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from kiln.api.protocol import DeltaFunction, DeltaToolCall, FunctionCall, ToolCall
+from kiln.api.protocol import FunctionCall, ToolCall
+from kiln.api.responses import DeltaFunction, DeltaToolCall
 from kiln.api.tool_calls import call_id
 
 
