@@ -67,6 +67,7 @@ SERVE_FLAGS: dict[str, tuple[str, str, dict]] = {
         "async_scheduling",
         {"action": argparse.BooleanOptionalAction, "help": "schedule a step while the last runs (CUDA)"},
     ),
+    "--scheduling-policy": ("scheduler", "policy", {"choices": ["fcfs", "priority"]}),
     "--block-size": ("cache", "block_size", {"type": int}),
     "--kv-cache-gib": ("cache", "kv_cache_gib", {"type": float}),
     "--dtype": ("model", "dtype", {"choices": ["auto", "float32", "bfloat16", "float16"]}),
@@ -91,6 +92,16 @@ SERVE_FLAGS: dict[str, tuple[str, str, dict]] = {
     ),
     "--tool-call-parser": ("server", "tool_call_parser", {"choices": ["hermes", "llama3_json"]}),
     "--reasoning-parser": ("server", "reasoning_parser", {"choices": ["deepseek_r1", "qwen3"]}),
+    "--enable-request-id-headers": (
+        "server",
+        "enable_request_id_headers",
+        {"action": "store_true", "help": "an X-Request-Id header on every response"},
+    ),
+    "--enable-prompt-tokens-details": (
+        "server",
+        "enable_prompt_tokens_details",
+        {"action": "store_true", "help": "usage.prompt_tokens_details.cached_tokens"},
+    ),
 }
 
 

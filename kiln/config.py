@@ -57,6 +57,10 @@ class SchedulerConfig(_Section):
     # that step's token for the stopped request is dropped. null: on CUDA, where it hides the step's host
     # work behind the GPU; off on the CPU, where the host is the device and there is nothing to hide.
     async_scheduling: bool | None = None
+    # vLLM's scheduling policy. fcfs: requests in arrival order, the newest preempted first. priority: by
+    # each request's `priority` (smaller first), then arrival; the least urgent running request is
+    # preempted first. Under fcfs a request that sets a priority is refused.
+    policy: Literal["fcfs", "priority"] = "fcfs"
 
     def on(self, device_type: str, gpu_memory: int = 0, gpu_name: str = "") -> SchedulerConfig:
         """This section with its batch limits decided for the device: on a GPU of 70 GiB or more other than
@@ -135,9 +139,12 @@ class EngineConfig(_Section):
     @classmethod
     def from_options(cls, model: str = "default", **options: Any) -> EngineConfig:
         """Flat keyword options (vLLM's LLM(...) style) placed into their sections by field name.
-        `enforce_eager=True` is vLLM's spelling of compile mode "eager"."""
+        `enforce_eager=True` is vLLM's spelling of compile mode "eager", `scheduling_policy` its name for
+        scheduler.policy."""
         if options.pop("enforce_eager", False):
             options["mode"] = "eager"
+        if "scheduling_policy" in options:
+            options["policy"] = options.pop("scheduling_policy")
         sections: dict[str, dict[str, Any]] = {"model": {"model": model}}
         for key, value in options.items():
             section = next((s for s, t in _SECTIONS.items() if key in t.__struct_fields__), None)
@@ -180,6 +187,11 @@ class ServerConfig(_Section):
     tool_call_parser: Literal["hermes", "llama3_json"] | None = None
     # A reasoning model's <think> text apart from its answer, as each chat reply's `reasoning`.
     reasoning_parser: Literal["deepseek_r1", "qwen3"] | None = None
+    # vLLM's: every response carries an X-Request-Id header, the request's own or a random one.
+    enable_request_id_headers: bool = False
+    # vLLM's: each usage also gives prompt_tokens_details.cached_tokens, the prompt tokens served from the
+    # prefix cache.
+    enable_prompt_tokens_details: bool = False
 
     def __post_init__(self) -> None:
         if self.enable_auto_tool_choice and self.tool_call_parser is None:

@@ -32,15 +32,20 @@ class LLM:
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        priority: list[int] | None = None,
     ) -> list[RequestOutput]:
-        """Prompts: strings, token-id lists or {"prompt_token_ids": [...]} dicts; outputs keep their order."""
+        """Prompts: strings, token-id lists, or vLLM's dicts ({"prompt": ...} or {"prompt_token_ids": ...},
+        with an optional "cache_salt"); outputs keep their order. priority: one per prompt, smaller first
+        (the engine's scheduler.policy must be "priority")."""
         batch = _as_batch(prompts)
         params = _params_for(batch, sampling_params)
+        if priority is not None and len(priority) != len(batch):
+            raise ValueError(f"got {len(priority)} priorities for {len(batch)} prompts")
         ids = [f"offline-{next(self._ids)}" for _ in batch]
         added: list[str] = []
         try:
-            for rid, prompt, p in zip(ids, batch, params, strict=True):
-                self.engine.add_request(rid, prompt, p)
+            for i, (rid, (prompt, salt), p) in enumerate(zip(ids, batch, params, strict=True)):
+                self.engine.add_request(rid, prompt, p, 0 if priority is None else priority[i], salt)
                 added.append(rid)
         except Exception:
             for rid in added:  # a bad prompt leaves nothing of this call queued
@@ -96,16 +101,30 @@ class LLM:
         return [done[i] for i in ids]
 
 
-def _as_batch(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+def _as_batch(prompts: Prompt | Sequence[Prompt]) -> list[tuple[str | list[int], str | None]]:
+    """Each prompt as (text or ids, cache salt)."""
     if isinstance(prompts, str | dict) or (
         isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
     ):
         prompts = [prompts]  # type: ignore[list-item]
-    return [p["prompt_token_ids"] if isinstance(p, dict) else p for p in prompts]  # type: ignore[union-attr]
+    return [_prompt(p) for p in prompts]
+
+
+def _prompt(p: Prompt) -> tuple[str | list[int], str | None]:
+    if not isinstance(p, dict):
+        return p, None
+    unknown = set(p) - {"prompt", "prompt_token_ids", "cache_salt"}
+    if unknown:
+        raise ValueError(
+            f"prompt dicts take prompt or prompt_token_ids, and cache_salt, not {sorted(unknown)}"
+        )
+    if ("prompt" in p) == ("prompt_token_ids" in p):
+        raise ValueError("a prompt dict needs exactly one of prompt and prompt_token_ids")
+    return p.get("prompt", p.get("prompt_token_ids")), p.get("cache_salt")
 
 
 def _params_for(
-    batch: list[Prompt], params: SamplingParams | Sequence[SamplingParams] | None
+    batch: list[Any], params: SamplingParams | Sequence[SamplingParams] | None
 ) -> list[SamplingParams]:
     if params is None:
         return [SamplingParams()] * len(batch)

@@ -72,7 +72,7 @@ def tiny_server(tmp_path_factory: pytest.TempPathFactory, default_model_dir: Pat
     config = {
         "model": {"model": str(model), "max_model_len": TINY_MAX_MODEL_LEN},
         "cache": {"kv_cache_gib": 0.0625},
-        "scheduler": {"max_num_seqs": 16},
+        "scheduler": {"max_num_seqs": 16, "policy": "priority"},
         "compile": {"mode": "eager"},
         # tool_choice "auto" read as hermes, thinking as qwen3: their tests force the text by a constraint.
         "server": {
@@ -80,6 +80,8 @@ def tiny_server(tmp_path_factory: pytest.TempPathFactory, default_model_dir: Pat
             "enable_auto_tool_choice": True,
             "tool_call_parser": "hermes",
             "reasoning_parser": "qwen3",
+            "enable_request_id_headers": True,
+            "enable_prompt_tokens_details": True,
             **TINY_LIMITS,
         },
     }

@@ -10,15 +10,19 @@ import secrets
 import sys
 import threading
 import time
+import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import msgspec
 from starlette.applications import Starlette
+from starlette.datastructures import Headers, MutableHeaders
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kiln.api.chat import create_chat_completion
 from kiln.api.completions import create_completion
@@ -86,6 +90,7 @@ class App:
             ],
             exception_handlers={HTTPException: self._http_error},
             lifespan=self._lifespan,
+            middleware=[Middleware(RequestIdHeader)] if config.server.enable_request_id_headers else [],
         )
 
     # -- lifecycle -----------------------------------------------------------------------------
@@ -269,3 +274,23 @@ class App:
 
     async def _version(self, request: Request) -> Response:
         return Response(_encoder.encode({"version": VERSION}), media_type="application/json")
+
+
+class RequestIdHeader:
+    """vLLM's --enable-request-id-headers: each response's X-Request-Id is the request's, else random."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        request_id = Headers(scope=scope).get("x-request-id") or uuid.uuid4().hex
+
+        async def send_with_id(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                MutableHeaders(scope=message).append("X-Request-Id", request_id)
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)

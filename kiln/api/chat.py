@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -32,14 +31,15 @@ from kiln.api.serving import (
     constraint,
     final_outputs,
     ids_if,
-    include_usage,
     merged,
     prompt_logprobs,
+    response_id,
     sampling_params,
     start_all,
     stream_response,
     token_text,
     usage,
+    usage_asked,
 )
 from kiln.api.tool_calls import ToolCallStream, forced_call_schema
 from kiln.api.tool_parser import PARSERS, HermesTools, Llama3JsonTools
@@ -77,16 +77,16 @@ async def create_chat_completion(
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     ids = truncate_prompt(ids, body.truncate_prompt_tokens, max_tokens, engine.max_model_len)
     params = sampling_params(body, len(ids), engine.max_model_len, max_tokens, k, body.prompt_logprobs, so)
-    rid = f"chatcmpl-{uuid.uuid4().hex}"
-    streams = start_all(engine, rid, [ids], [params])
+    rid = response_id("chatcmpl", request, body)
+    streams = start_all(engine, request, body, rid, [ids], [params])
     # A forced call's JSON is constrained from the first token: there is no thinking to set apart.
     think = server.reasoning_parser if not calls else None
     reading = functools.partial(_Reading.start, think, auto, body.include_reasoning)
     if body.stream:
-        final_usage, continuous = include_usage(body)
-        usage_chunk = functools.partial(ChatCompletionChunk, id=rid, model=model) if final_usage else None
+        usage_chunk = functools.partial(ChatCompletionChunk, id=rid, model=model)
         chunks = _Chunks(rid, model, k, calls, call_name, body, role, echo, reading)
-        return stream_response(merged(streams), 1, chunks, usage_chunk, continuous)
+        asked = usage_asked(body, server.enable_prompt_tokens_details)
+        return stream_response(merged(streams), 1, chunks, usage_chunk, asked)
     outputs = await final_outputs(request, streams)
     if outputs is None:
         return None
@@ -114,7 +114,7 @@ async def create_chat_completion(
         id=rid,
         model=model,
         choices=choices,
-        usage=usage(outputs),
+        usage=usage(outputs, server.enable_prompt_tokens_details),
         prompt_logprobs=prompt_logprobs(out, body.prompt_logprobs),
         prompt_token_ids=ids_if(body.return_token_ids, out.prompt_token_ids),
     )

@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -21,14 +20,15 @@ from kiln.api.serving import (
     constraint,
     final_outputs,
     ids_if,
-    include_usage,
     merged,
     prompt_logprobs,
+    response_id,
     sampling_params,
     start_all,
     stream_response,
     token_text,
     usage,
+    usage_asked,
 )
 from kiln.engine.async_engine import AsyncEngine
 from kiln.engine.output import CompletionOutput, RequestOutput
@@ -60,14 +60,15 @@ async def create_completion(
         )
         for p in prompts
     ]
-    rid = f"cmpl-{uuid.uuid4().hex}"
-    streams = start_all(engine, rid, [p.ids for p in prompts], params)
+    rid = response_id("cmpl", request, body)
+    streams = start_all(engine, request, body, rid, [p.ids for p in prompts], params)
+    cached = inputs.limits.enable_prompt_tokens_details
     if body.stream:
-        final_usage, continuous = include_usage(body)
-        usage_chunk = functools.partial(CompletionResponse, id=rid, model=model) if final_usage else None
+        usage_chunk = functools.partial(CompletionResponse, id=rid, model=model)
         chunks = functools.partial(_chunks, rid, model, body, texts, engine.tokenizer)
         outputs = _without_completions(merged(streams)) if prompt_only else merged(streams)
-        return stream_response(outputs, body.n, chunks, usage_chunk, continuous)
+        asked = usage_asked(body, cached)
+        return stream_response(outputs, body.n, chunks, usage_chunk, asked)
     finals = await final_outputs(request, streams)
     if finals is None:
         return None
@@ -78,7 +79,7 @@ async def create_completion(
         for i, out in enumerate(finals)
         for c in out.outputs
     ]
-    return CompletionResponse(id=rid, model=model, choices=choices, usage=usage(finals))
+    return CompletionResponse(id=rid, model=model, choices=choices, usage=usage(finals, cached))
 
 
 def _prompt_alone(out: RequestOutput) -> RequestOutput:

@@ -27,6 +27,8 @@ ERROR_TYPES = {
 
 _encoder = msgspec.json.Encoder()
 _UNKNOWN = re.compile(r"Object contains unknown field `(.*)`")
+# The fields an engine ValueError may begin with: the params, and the options beside them.
+_ENGINE_FIELDS = frozenset(SamplingParams.__struct_fields__) | {"priority", "cache_salt"}
 
 
 class APIError(Exception):
@@ -61,7 +63,7 @@ def bad_request(error: ValueError) -> APIError:
             return APIError(400, message, param or name)
     else:
         first = message.split(" ", 1)[0]
-        param = first if first in SamplingParams.__struct_fields__ else None
+        param = first if first in _ENGINE_FIELDS else None
     return APIError(400, message, param)
 
 

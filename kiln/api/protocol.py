@@ -64,6 +64,9 @@ class _SamplingRequest(_Strict):
     prompt_logprobs: int | None = None
     return_token_ids: bool = False  # token ids beside the text
     return_tokens_as_token_ids: bool = False  # logprobs' tokens as "token_id:{id}"
+    priority: int = 0  # smaller first, under --scheduling-policy priority (the X-Vllm-Priority header wins)
+    cache_salt: str | None = None  # only requests with the same salt share prefix-cache blocks
+    request_id: str | None = None  # the response's id after its prefix (the X-Request-Id header wins)
 
 
 class CompletionRequest(_SamplingRequest, kw_only=True):

@@ -17,10 +17,15 @@ def _now() -> int:
     return int(time.time())
 
 
+class PromptTokensDetails(msgspec.Struct):
+    cached_tokens: int  # prompt tokens served from the prefix cache
+
+
 class Usage(msgspec.Struct):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | UnsetType = UNSET  # --enable-prompt-tokens-details
 
 
 class CompletionLogprobs(msgspec.Struct):

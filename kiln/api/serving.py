@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Callable
+import uuid
+from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,7 +18,7 @@ from starlette.responses import StreamingResponse
 from kiln.api.errors import APIError, as_api_error
 from kiln.api.inputs import Inputs
 from kiln.api.protocol import _SamplingRequest
-from kiln.api.responses import Usage
+from kiln.api.responses import PromptTokensDetails, Usage
 from kiln.engine.async_engine import AsyncEngine, RequestStream
 from kiln.engine.output import CompletionOutput, RequestOutput, merge
 from kiln.engine.request import PositionLogprobs
@@ -124,14 +125,35 @@ async def constraint(
     return so
 
 
+def response_id(prefix: str, request: Request, body: _SamplingRequest) -> str:
+    """vLLM's: the X-Request-Id header, else the body's request_id, else a random id, after the prefix."""
+    return f"{prefix}-{request.headers.get('x-request-id') or body.request_id or uuid.uuid4().hex}"
+
+
 def start_all(
-    engine: AsyncEngine, request_id: str, prompts: list[list[int]], params: list[SamplingParams]
+    engine: AsyncEngine,
+    request: Request,
+    body: _SamplingRequest,
+    response_id: str,
+    prompts: list[list[int]],
+    params: list[SamplingParams],
 ) -> list[RequestStream]:
-    """One engine request per prompt; if any is refused, none stays queued."""
+    """One engine request per prompt, with the body's priority and cache_salt; if any is refused, none
+    stays queued. Engine ids get a random suffix, as in vLLM: clients may reuse their request ids."""
+    priority = body.priority
+    header = request.headers.get("x-vllm-priority")
+    if header is not None:
+        try:
+            priority = int(header)
+        except ValueError:
+            message = f"the X-Vllm-Priority header must be an integer, not {header!r}"
+            raise APIError(400, message, "priority") from None
+    engine_id = f"{response_id}-{uuid.uuid4().hex[:8]}"
     streams: list[RequestStream] = []
     try:
         for i, (ids, p) in enumerate(zip(prompts, params, strict=True)):
-            streams.append(engine.generate(ids, p, f"{request_id}-{i}" if len(prompts) > 1 else request_id))
+            rid = f"{engine_id}-{i}" if len(prompts) > 1 else engine_id
+            streams.append(engine.generate(ids, p, rid, priority, body.cache_salt))
     except BaseException:
         for s in streams:
             s.close()
@@ -203,28 +225,43 @@ class ChoiceDelta:
     request: RequestOutput
 
 
+@dataclass(slots=True, frozen=True)
+class UsageAsked:
+    """Where a stream carries its usage (stream_options, as vLLM reads them), and what it holds."""
+
+    final: bool  # a chunk without choices at the end
+    continuous: bool  # vLLM's continuous_usage_stats: every chunk too, the usage so far
+    cached: bool  # prompt_tokens_details.cached_tokens (--enable-prompt-tokens-details)
+
+
+def usage_asked(body: _SamplingRequest, cached: bool) -> UsageAsked:
+    opts = body.stream_options
+    final = opts is not None and opts.include_usage
+    return UsageAsked(final, final and opts is not None and opts.continuous_usage_stats, cached)
+
+
 def stream_response(
     outputs: AsyncIterator[tuple[int, RequestOutput]],
     n: int,
     chunks: Callable[[list[ChoiceDelta]], list[Any]],
-    usage_chunk: Callable[..., msgspec.Struct] | None,
-    continuous_usage: bool = False,
+    usage_chunk: Callable[..., msgspec.Struct],
+    asked: UsageAsked,
 ) -> StreamingResponse:
     """What both endpoints stream: each engine output (from `merged`) as the endpoint's chunks of choice
-    deltas; then, with usage_chunk (the endpoint's chunk type), one chunk without choices with the usage.
-    continuous_usage (vLLM's continuous_usage_stats): every chunk also carries the usage so far."""
-    return _sse(_events(outputs, n, chunks, usage_chunk, continuous_usage))
+    deltas; then, if asked, one chunk without choices (usage_chunk: the endpoint's chunk type) with the
+    usage."""
+    return _sse(_events(outputs, n, chunks, usage_chunk, asked))
 
 
 async def _events(
     outputs: AsyncIterator[tuple[int, RequestOutput]],
     n: int,
     chunks: Callable[[list[ChoiceDelta]], list[Any]],
-    usage_chunk: Callable[..., msgspec.Struct] | None,
-    continuous_usage: bool,
+    usage_chunk: Callable[..., msgspec.Struct],
+    asked: UsageAsked,
 ) -> AsyncIterator[msgspec.Struct]:
     sent: dict[int, int] = {}  # choice index -> characters sent
-    prompt_tokens: dict[int, int] = {}
+    prompts: dict[int, RequestOutput] = {}  # each prompt's latest output
     completion_tokens = 0
     async for i, out in outputs:
         deltas = []
@@ -233,31 +270,27 @@ async def _events(
             deltas.append(ChoiceDelta(index, i, index not in sent, sent.get(index, 0), c, out))
             sent[index] = sent.get(index, 0) + len(c.text)
             completion_tokens += len(c.token_ids)
-        prompt_tokens[i] = len(out.prompt_token_ids)
-        so_far = _usage(sum(prompt_tokens.values()), completion_tokens) if continuous_usage else None
+        prompts[i] = out
+        so_far = _usage(prompts.values(), completion_tokens, asked.cached) if asked.continuous else None
         for chunk in chunks(deltas):
             if so_far is not None:
                 chunk.usage = so_far
             yield chunk
-    if usage_chunk is not None:
-        yield usage_chunk(choices=[], usage=_usage(sum(prompt_tokens.values()), completion_tokens))
+    if asked.final:
+        yield usage_chunk(choices=[], usage=_usage(prompts.values(), completion_tokens, asked.cached))
 
 
-def _usage(prompt: int, completion: int) -> Usage:
-    return Usage(prompt, completion, prompt + completion)
+def _usage(prompts: Iterable[RequestOutput], completion: int, cached: bool) -> Usage:
+    """The usage of these prompts' outputs (one each) with `completion` tokens generated."""
+    prompt, hits = 0, 0
+    for out in prompts:
+        prompt += len(out.prompt_token_ids)
+        hits += out.num_cached_tokens
+    return Usage(prompt, completion, prompt + completion, PromptTokensDetails(hits) if cached else UNSET)
 
 
-def include_usage(body: _SamplingRequest) -> tuple[bool, bool]:
-    """stream_options as vLLM reads them: (a usage chunk at the end, usage in every chunk too)."""
-    opts = body.stream_options
-    if opts is None or not opts.include_usage:
-        return False, False
-    return True, opts.continuous_usage_stats
-
-
-def usage(outputs: list[RequestOutput]) -> Usage:
-    prompt = sum(len(o.prompt_token_ids) for o in outputs)
-    return _usage(prompt, sum(len(c.token_ids) for o in outputs for c in o.outputs))
+def usage(outputs: list[RequestOutput], cached: bool) -> Usage:
+    return _usage(outputs, sum(len(c.token_ids) for o in outputs for c in o.outputs), cached)
 
 
 def prompt_logprobs(out: RequestOutput, k: int | None) -> list[PositionLogprobs | None] | UnsetType:

@@ -32,6 +32,8 @@ class _Add:
     request_id: str
     prompt_ids: list[int]
     params: SamplingParams
+    priority: int
+    cache_salt: str | None
 
 
 @dataclass(slots=True)
@@ -116,18 +118,26 @@ class AsyncEngine:
     def num_in_flight(self) -> int:
         return len(self._streams)
 
-    def generate(self, prompt_ids: list[int], params: SamplingParams, request_id: str) -> RequestStream:
-        """Queues a request and returns its stream. A bad prompt or params raise ValueError here, before
-        anything is queued."""
+    def generate(
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        request_id: str,
+        priority: int = 0,
+        cache_salt: str | None = None,
+    ) -> RequestStream:
+        """Queues a request and returns its stream (options as LLMEngine.add_request). A bad prompt, params
+        or options raise ValueError here, before anything is queued."""
         if self.dead is not None:
             raise EngineDeadError(f"the engine has died: {self.dead!r}")
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in use")
+        self.engine.check_options(priority, cache_salt)
         self.engine.check_params(params)
         self.engine.check_prompt(prompt_ids)
         stream = RequestStream(request_id, self)
         self._streams[request_id] = stream
-        self._commands.put(_Add(request_id, prompt_ids, params))
+        self._commands.put(_Add(request_id, prompt_ids, params, priority, cache_salt))
         return stream
 
     def check_constraint(self, params: StructuredOutputsParams) -> None:
@@ -185,7 +195,9 @@ class AsyncEngine:
             engine.abort(command.request_id)
             return
         try:
-            engine.add_request(command.request_id, command.prompt_ids, command.params)
+            engine.add_request(
+                command.request_id, command.prompt_ids, command.params, command.priority, command.cache_salt
+            )
         except ValueError as e:  # checked already on the event loop, so this is a race at most
             self._loop.call_soon_threadsafe(self._fail, command.request_id, e)
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+from array import array
 from collections import OrderedDict
 
 from kiln.engine.request import Request
@@ -14,13 +16,13 @@ class BlockManager:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.ref_counts = [0] * num_blocks
-        self.hashes: list[int | None] = [None] * num_blocks
+        self.hashes: list[bytes | None] = [None] * num_blocks
         # Blocks from next_unused on were never handed out; they go first, in id order. Then the freed
         # blocks, least recently used first: a freed block may still hold a cached prefix, which stays
         # reusable until the block is handed out again (LRU eviction).
         self.next_unused = 0
         self.free: OrderedDict[int, None] = OrderedDict()
-        self.cached: dict[int, int] = {}  # block hash -> block id
+        self.cached: dict[bytes, int] = {}  # block hash -> block id
         self.prefix_queries = 0  # prompt tokens looked up in the prefix cache
         self.prefix_hits = 0  # of those, tokens found
 
@@ -33,11 +35,15 @@ class BlockManager:
         return 1.0 - self.num_free / self.num_blocks
 
     def update_hashes(self, req: Request) -> None:
-        """Extends req.block_hashes over every full block of its tokens: hash(parent hash, tokens)."""
+        """Extends req.block_hashes over every full block of its tokens: SHA-256 of (parent hash, tokens),
+        the first block's parent being the request's cache_salt. SHA-256 (as vLLM's default), not Python's
+        hash: a tuple of ints hashes without a secret key, so a client could craft a prompt whose block
+        collides with another's and be served that request's KV."""
         bs = self.block_size
         for i in range(len(req.block_hashes), req.num_tokens // bs):
-            parent = req.block_hashes[-1] if req.block_hashes else None
-            req.block_hashes.append(hash((parent, tuple(req.token_ids[i * bs : (i + 1) * bs]))))
+            parent = req.block_hashes[-1] if req.block_hashes else req.cache_salt.encode()
+            tokens = array("q", req.token_ids[i * bs : (i + 1) * bs]).tobytes()
+            req.block_hashes.append(hashlib.sha256(parent + tokens).digest())
 
     def match_prefix(self, req: Request) -> int:
         """Takes the longest cached prefix of a new request; returns the number of tokens it covers.

@@ -178,10 +178,29 @@ class LLMEngine:
             self.grammars.check(params.structured_outputs)
         return tokenize_bad_words(self.tokenizer, params.bad_words, vocab)
 
-    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> None:
-        """Validates, then queues; raises ValueError (and queues nothing) for a bad prompt or params."""
+    def check_options(self, priority: int, cache_salt: str | None) -> None:
+        """vLLM's request options beside the params."""
+        if priority and self.config.scheduler.policy != "priority":
+            raise ValueError(
+                f"priority {priority} needs the priority scheduling policy (--scheduling-policy priority)"
+            )
+        if cache_salt == "":
+            raise ValueError("cache_salt must be a non-empty string if given")
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams,
+        priority: int = 0,
+        cache_salt: str | None = None,
+    ) -> None:
+        """Validates, then queues; raises ValueError (and queues nothing) for a bad prompt, params or
+        options. priority: smaller is scheduled sooner (policy "priority"); cache_salt: only requests with
+        the same salt share prefix-cache blocks."""
         if request_id in self.output.parents:
             raise ValueError(f"request id {request_id!r} is already in use")
+        self.check_options(priority, cache_salt)
         bad_words = self.check_params(params)
         ids = self.tokenize(prompt, params)
         so = params.structured_outputs
@@ -199,7 +218,9 @@ class LLMEngine:
                 )
             )
             child_id = f"{request_id}-{i}" if params.n > 1 else request_id
-            children.append(self._request(child_id, request_id, ids, p, constraint, bad_words))
+            children.append(
+                self._request(child_id, request_id, ids, p, constraint, bad_words, priority, cache_salt or "")
+            )
         parent = Parent(request_id, prompt if isinstance(prompt, str) else None, children)
         self.output.parents[request_id] = parent
         for child in children:
@@ -213,6 +234,8 @@ class LLMEngine:
         p: SamplingParams,
         constraint: Constraint | None,
         bad_words: BadWords = (),
+        priority: int = 0,
+        cache_salt: str = "",
     ) -> Request:
         banned = (
             []
@@ -236,6 +259,8 @@ class LLMEngine:
             stop_ids=frozenset(p.stop_token_ids),
             bad_words=bad_words,
             grammar=None if constraint is None else self.grammars.start(constraint),
+            priority=priority,
+            cache_salt=cache_salt,
             logprobs=[] if p.logprobs is not None else None,
             prompt_logprobs=[None] if p.prompt_logprobs is not None else None,
         )

@@ -46,13 +46,18 @@ class Request:
     stop_ids: frozenset[int] = frozenset()  # params.stop_token_ids, checked against every output token
     bad_words: BadWords = ()  # params.bad_words as token sequences
     grammar: SequenceGrammar | None = None  # params.structured_outputs, compiled
+    # vLLM's request options beside the params: a smaller priority is scheduled first (policy "priority");
+    # arrival orders the queue within a priority; only requests with the same cache_salt share cached blocks.
+    priority: int = 0
+    arrival: int = 0
+    cache_salt: str = ""
     status: Status = Status.WAITING
     num_computed_tokens: int = 0
     num_pending: int = 0
     num_cached_tokens: int = -1  # prompt tokens served from the prefix cache at first admission
     # Appended to, or replaced by a new list; never changed in place (StepBuffers.set_blocks relies on it).
     block_ids: list[int] = field(default_factory=list)
-    block_hashes: list[int] = field(default_factory=list)
+    block_hashes: list[bytes] = field(default_factory=list)
     num_registered_blocks: int = 0  # leading blocks already offered to the prefix cache
     num_sent_tokens: int = 0  # output tokens (and logprob rows) already in an output
     logprobs: list[PositionLogprobs] | None = None

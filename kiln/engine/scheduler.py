@@ -1,11 +1,14 @@
-"""Chooses each step's work: running requests first, then waiting ones, FCFS, within a token budget;
-no request prefills more than `chunk` tokens in a step (vLLM's long_prefill_token_threshold), so a short
-prompt that arrives while a long one is chunked starts beside it."""
+"""Chooses each step's work: running requests first, then waiting ones, within a token budget; no request
+prefills more than `chunk` tokens in a step (vLLM's long_prefill_token_threshold), so a short prompt that
+arrives while a long one is chunked starts beside it. Requests rank by (priority, arrival): waiting ones
+are admitted in that order, and the last-ranked running one is preempted first. Priorities stay 0 under
+the fcfs policy, which leaves arrival order."""
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import logging
-from collections import deque
 from dataclasses import dataclass
 
 from kiln.config import SchedulerConfig
@@ -35,12 +38,14 @@ class Scheduler:
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.chunk = chunk
         self.block_manager = block_manager
-        self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []
+        self.waiting: list[Request] = []  # in rank order
+        self.running: list[Request] = []  # in admission order
         self.num_preemptions = 0
+        self._arrivals = itertools.count()
 
     def add(self, req: Request) -> None:
-        self.waiting.append(req)
+        req.arrival = next(self._arrivals)
+        bisect.insort(self.waiting, req, key=_rank)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -56,7 +61,15 @@ class Scheduler:
                 continue
             num_new = min(req.num_tokens + req.num_pending - req.num_computed_tokens, self.chunk, budget)
             while not self.block_manager.allocate(req, req.num_computed_tokens + num_new):
-                victim = self.running.pop()
+                victim = max(self.running, key=_rank)
+                j = self.running.index(victim)
+                del self.running[j]
+                if j < i:
+                    i -= 1
+                    if victim in batch.requests:  # it has work in this step already: take it back
+                        k = batch.requests.index(victim)
+                        del batch.requests[k]
+                        budget += batch.num_new_tokens.pop(k)
                 self._preempt(victim)
                 batch.num_preempted += 1
                 if victim is req:
@@ -75,7 +88,7 @@ class Scheduler:
             req = self.waiting[0]
             # (A request preempted with a token in flight waits for it: it is landed before the next step.)
             if req.num_pending or (req.grammar is not None and not req.grammar.ready):
-                skipped.append(self.waiting.popleft())
+                skipped.append(self.waiting.pop(0))
                 continue
             if req.num_computed_tokens == 0:
                 req.num_computed_tokens = self.block_manager.match_prefix(req)
@@ -84,7 +97,7 @@ class Scheduler:
                 self.block_manager.free_request(req)
                 req.num_computed_tokens = 0
                 break
-            self.waiting.popleft()
+            self.waiting.pop(0)
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = req.num_computed_tokens
             req.status = Status.RUNNING
@@ -92,7 +105,7 @@ class Scheduler:
             batch.requests.append(req)
             batch.num_new_tokens.append(num_new)
             budget -= num_new
-        self.waiting.extendleft(reversed(skipped))
+        self.waiting[:0] = skipped  # they ranked first
         return batch
 
     def _preempt(self, req: Request) -> None:
@@ -100,7 +113,7 @@ class Scheduler:
         self.block_manager.free_request(req)
         req.num_computed_tokens = 0
         req.status = Status.WAITING
-        self.waiting.appendleft(req)
+        bisect.insort(self.waiting, req, key=_rank)
         self.num_preemptions += 1
         log.debug("preempted %s (%d tokens)", req.request_id, req.num_tokens)
 
@@ -112,3 +125,7 @@ class Scheduler:
             self.waiting.remove(req)
         self.block_manager.free_request(req)
         req.status = Status.FINISHED
+
+
+def _rank(req: Request) -> tuple[int, int]:
+    return req.priority, req.arrival

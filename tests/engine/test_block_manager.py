@@ -11,7 +11,7 @@ from kiln.sampling_params import SamplingParams
 BS = 4  # block size used throughout
 
 
-def make_request(token_ids: list[int], rid: str = "r", **params: object) -> Request:
+def make_request(token_ids: list[int], rid: str = "r", cache_salt: str = "", **params: object) -> Request:
     # The block manager never touches the detokenizer, so none is needed here.
     return Request(
         request_id=rid,
@@ -21,6 +21,7 @@ def make_request(token_ids: list[int], rid: str = "r", **params: object) -> Requ
         num_prompt_tokens=len(token_ids),
         max_tokens=16,
         text=None,  # type: ignore[arg-type]
+        cache_salt=cache_salt,
     )
 
 
@@ -117,6 +118,20 @@ def test_hashes_are_chained_over_the_prefix() -> None:
     assert admit(bm, d) == 12
     assert d.block_hashes == a.block_hashes
     assert d.block_ids[:3] == a.block_ids[:3]
+
+
+def test_a_cache_salt_shares_blocks_only_with_the_same_salt() -> None:
+    bm = BlockManager(num_blocks=32, block_size=BS)
+    prompt = [*range(300, 312), 0]
+    alice = make_request(prompt, "alice", cache_salt="alice-secret")
+    assert admit(bm, alice) == 0
+    assert admit(bm, make_request(prompt, "alice-again", cache_salt="alice-secret")) == 12
+    assert admit(bm, make_request(prompt, "bob", cache_salt="bob-secret")) == 0
+    plain = make_request(prompt, "plain")
+    assert admit(bm, plain) == 0
+    # Every block differs, not only the first: the salt is in each block's chained hash.
+    assert not set(plain.block_hashes) & set(alice.block_hashes)
+    assert admit(bm, make_request(prompt, "plain-again")) == 12
 
 
 def test_match_never_covers_the_last_prompt_token() -> None:

@@ -340,6 +340,35 @@ def test_truncate_prompt_tokens_keeps_the_prompt_end(roomy: LLM, text_ids: list[
     assert out.prompt_token_ids == text_ids[-(MAX_MODEL_LEN - 24) :] and len(out.outputs[0].token_ids) == 24
 
 
+def test_a_cache_salt_keeps_prefix_caches_apart(roomy: LLM, text_ids: list[int]) -> None:
+    prompt = text_ids[30:100]
+    salted = {"prompt_token_ids": prompt, "cache_salt": "tenant-a"}
+    first, again = gen(roomy, [salted], GREEDY)[0], gen(roomy, [salted], GREEDY)[0]
+    assert first.num_cached_tokens == 0 and again.num_cached_tokens == 64
+    other = gen(roomy, [{"prompt_token_ids": prompt, "cache_salt": "tenant-b"}], GREEDY)[0]
+    plain = gen(roomy, [prompt], GREEDY)[0]
+    assert other.num_cached_tokens == plain.num_cached_tokens == 0
+    texts = {o.outputs[0].text for o in (first, again, other, plain)}
+    assert len(texts) == 1  # the salt changes what is shared, never what is generated
+    [out] = gen(roomy, [{"prompt": "Water boils at", "cache_salt": "x"}], GREEDY)
+    assert out.outputs[0].text == one(roomy, "Water boils at", GREEDY).text
+
+
+def test_priority_orders_the_queue(default_model_dir: Path) -> None:
+    """One sequence at a time: requests run in (priority, arrival) order, smaller priority first."""
+    options = {"enforce_eager": True, "max_num_seqs": 1, "scheduling_policy": "priority"}
+    llm = LLM(str(default_model_dir), **options, **ROOMY)
+    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    for rid, priority in [("later", 1), ("low", 9), ("urgent", -3), ("later-2", 1)]:
+        llm.engine.add_request(rid, "Water boils at", params, priority=priority)
+    finished = []
+    while llm.engine.has_unfinished():
+        finished += [out.request_id for out in llm.engine.step(final_only=True)]
+    assert finished == ["urgent", "later", "later-2", "low"]
+    outs = llm.generate(["Hi", "Hello"], params, use_tqdm=False, priority=[2, 1])
+    assert [o.prompt for o in outs] == ["Hi", "Hello"]  # outputs keep the prompts' order
+
+
 def test_bad_allowed_ids_and_bad_words_are_rejected_up_front(clean_roomy: LLM) -> None:
     with pytest.raises(ValueError, match=r"^allowed_token_ids must not be empty"):
         SamplingParams(allowed_token_ids=[])
@@ -349,6 +378,21 @@ def test_bad_allowed_ids_and_bad_words_are_rejected_up_front(clean_roomy: LLM) -
         gen(clean_roomy, ["Hi"], SamplingParams(max_tokens=2, allowed_token_ids=[5, 49152]))
     with pytest.raises(ValueError, match=r"^bad_words: too many after tokenization"):
         gen(clean_roomy, ["Hi"], SamplingParams(max_tokens=2, bad_words=[f"word{i}" for i in range(100)]))
+    assert not clean_roomy.engine.output.parents
+    assert_still_works(clean_roomy)
+
+
+def test_bad_request_options_are_rejected_up_front(clean_roomy: LLM) -> None:
+    with pytest.raises(ValueError, match=r"^priority 2 needs the priority scheduling policy"):
+        clean_roomy.generate(["Hi", "Hello"], GREEDY, use_tqdm=False, priority=[0, 2])
+    with pytest.raises(ValueError, match=r"^got 1 priorities for 2 prompts"):
+        clean_roomy.generate(["Hi", "Hello"], GREEDY, use_tqdm=False, priority=[0])
+    with pytest.raises(ValueError, match=r"^cache_salt must be a non-empty string"):
+        gen(clean_roomy, [{"prompt": "Hi", "cache_salt": ""}], GREEDY)
+    with pytest.raises(ValueError, match=r"^prompt dicts take .* not \['salt'\]"):
+        gen(clean_roomy, [{"prompt": "Hi", "salt": "x"}], GREEDY)
+    with pytest.raises(ValueError, match=r"^a prompt dict needs exactly one of prompt and prompt_token_ids"):
+        gen(clean_roomy, [{"prompt": "Hi", "prompt_token_ids": [1]}], GREEDY)
     assert not clean_roomy.engine.output.parents
     assert_still_works(clean_roomy)
 

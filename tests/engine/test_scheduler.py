@@ -5,6 +5,8 @@ from __future__ import annotations
 import itertools
 import random
 
+import pytest
+
 from kiln.config import SchedulerConfig
 from kiln.engine.block_manager import BlockManager
 from kiln.engine.request import Request, Status
@@ -15,7 +17,7 @@ BS = 4
 _fresh = itertools.count(10_000)  # distinct token ids, so unrelated prompts never share a cached block
 
 
-def make_request(rid: str, prompt: list[int] | int, max_tokens: int = 16) -> Request:
+def make_request(rid: str, prompt: list[int] | int, max_tokens: int = 16, priority: int = 0) -> Request:
     token_ids = [next(_fresh) for _ in range(prompt)] if isinstance(prompt, int) else list(prompt)
     return Request(
         request_id=rid,
@@ -25,6 +27,7 @@ def make_request(rid: str, prompt: list[int] | int, max_tokens: int = 16) -> Req
         num_prompt_tokens=len(token_ids),
         max_tokens=max_tokens,
         text=None,  # type: ignore[arg-type]
+        priority=priority,
     )
 
 
@@ -243,6 +246,46 @@ def test_newest_request_preempts_itself_when_it_cannot_grow() -> None:
     assert sched.running == [old] and list(sched.waiting) == [new]
     assert new.block_ids == [] and new.num_computed_tokens == 0 and new.num_tokens == 5
     assert len(old.block_ids) == 2 and sched.block_manager.num_free == 1
+
+
+def test_priority_orders_admission_then_arrival() -> None:
+    sched = make_scheduler(max_num_seqs=1)
+    reqs = [
+        make_request("low", 3, max_tokens=1, priority=5),
+        make_request("first", 3, max_tokens=1, priority=-1),
+        make_request("middle", 3, max_tokens=1),
+        make_request("second", 3, max_tokens=1, priority=-1),
+    ]
+    for r in reqs:
+        sched.add(r)
+    assert [r.request_id for r in sched.waiting] == ["first", "second", "middle", "low"]
+    order = [scheduled(step(sched))[0][0] for _ in reqs]
+    assert order == ["first", "second", "middle", "low"]
+    assert not sched.has_unfinished()
+
+
+@pytest.mark.parametrize("lazy_priority", [0, 5])
+def test_preemption_takes_the_last_ranked_even_when_it_has_work_in_the_step(lazy_priority: int) -> None:
+    # 4 blocks: "lazy" (6 tokens) and "urgent" (8 tokens) hold two each. In the next step lazy still fits
+    # its second block and is scheduled first; urgent needs a third. At equal priority urgent is the newer
+    # and preempts itself (FCFS); when lazy ranks last, its scheduled token is taken back instead.
+    sched = make_scheduler(num_blocks=4)
+    lazy = make_request("lazy", 6, priority=lazy_priority)
+    urgent = make_request("urgent", 8)
+    sched.add(lazy)
+    assert scheduled(step(sched)) == [("lazy", 6)]
+    sched.add(urgent)
+    assert scheduled(step(sched)) == [("lazy", 1), ("urgent", 8)]
+    batch = step(sched)
+    assert batch.num_preempted == 1
+    if lazy_priority == 0:
+        assert scheduled(batch) == [("lazy", 1)]
+        assert sched.running == [lazy] and sched.waiting == [urgent]
+    else:
+        assert scheduled(batch) == [("urgent", 1)]
+        assert sched.running == [urgent] and sched.waiting == [lazy]
+        assert lazy.num_computed_tokens == 0 and lazy.block_ids == [] and lazy.num_tokens == 8
+        assert len(urgent.block_ids) == 3
 
 
 def test_prefix_hit_on_admission_skips_computed_tokens() -> None:

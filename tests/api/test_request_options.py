@@ -1,0 +1,133 @@
+"""vLLM's request options beside sampling, over HTTP with the OpenAI SDK: request ids (body and
+X-Request-Id), priority (body and X-Vllm-Priority), cache_salt, and the usage's cached tokens."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+
+import httpx
+import openai
+import pytest
+
+from tests.api.server import AUTH, Server, expect_error, post
+from tests.conftest import API_KEY
+
+pytestmark = pytest.mark.slow
+
+MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
+HI = [{"role": "user", "content": "Hi"}]
+# Over two 32-token blocks (the CPU's block size) of the default tokenizer.
+LONG = " ".join(f"item {i} of a list that is long enough to fill whole cache blocks" for i in range(8))
+
+
+def client_for(server: Server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0, timeout=120)
+
+
+def test_request_id_names_the_response(server: Server) -> None:
+    client = client_for(server)
+    r = client.chat.completions.create(
+        model=MODEL, messages=HI, max_tokens=2, extra_body={"request_id": "mine"}
+    )
+    assert r.id == "chatcmpl-mine"
+    r = client.completions.create(
+        model=MODEL,
+        prompt="Hi",
+        max_tokens=2,
+        extra_body={"request_id": "mine"},
+        extra_headers={"X-Request-Id": "from-header"},  # the header wins, as in vLLM
+    )
+    assert r.id == "cmpl-from-header"
+    chunks = list(
+        client.completions.create(
+            model=MODEL, prompt="Hi", max_tokens=3, stream=True, extra_body={"request_id": "streamed"}
+        )
+    )
+    assert chunks and {c.id for c in chunks} == {"cmpl-streamed"}
+    plain = client.completions.create(model=MODEL, prompt="Hi", max_tokens=1)
+    assert re.fullmatch(r"cmpl-[0-9a-f]{32}", plain.id)
+    # Without --enable-request-id-headers, responses carry no X-Request-Id.
+    assert (
+        "x-request-id" not in post(server, "/v1/completions", json={"prompt": "Hi", "max_tokens": 1}).headers
+    )
+
+
+def test_a_request_id_in_use_is_no_conflict(server: Server) -> None:
+    """Clients reuse ids (retries, fan-out): the engine's own ids stay unique, as in vLLM."""
+    client = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0, timeout=120)
+
+    async def run() -> list[openai.types.Completion]:
+        extra = {"request_id": "same", "ignore_eos": True}
+        calls = [
+            client.completions.create(model=MODEL, prompt="Hi", max_tokens=8, extra_body=extra)
+            for _ in range(4)
+        ]
+        return await asyncio.gather(*calls)
+
+    outs = asyncio.run(run())
+    assert [o.id for o in outs] == ["cmpl-same"] * 4
+    assert all(o.usage.completion_tokens == 8 for o in outs)
+
+
+def test_priority_needs_the_priority_policy(server: Server) -> None:
+    body = {"prompt": "Hi", "max_tokens": 1}
+    message = expect_error(
+        post(server, "/v1/completions", json={**body, "priority": 3}), 400, "BadRequestError", "priority"
+    )
+    assert "--scheduling-policy priority" in message
+    headers = {**AUTH, "X-Vllm-Priority": "3"}
+    r = httpx.post(f"{server.url}/v1/completions", json=body, headers=headers, timeout=60)
+    expect_error(r, 400, "BadRequestError", "priority")
+    headers["X-Vllm-Priority"] = "soon"
+    r = httpx.post(f"{server.url}/v1/completions", json=body, headers=headers, timeout=60)
+    assert "X-Vllm-Priority" in expect_error(r, 400, "BadRequestError", "priority")
+    assert post(server, "/v1/completions", json={**body, "priority": 0}).status_code == 200
+
+
+def test_priority_and_request_id_headers(tiny_server: Server) -> None:
+    client = client_for(tiny_server)
+    model = client.models.list().data[0].id
+    r = client.chat.completions.with_raw_response.create(
+        model=model,
+        messages=HI,
+        max_tokens=2,
+        extra_body={"priority": -5},
+        extra_headers={"X-Request-Id": "abc"},
+    )
+    assert r.headers["x-request-id"] == "abc" and r.parse().id == "chatcmpl-abc"
+    r = client.completions.with_raw_response.create(
+        model=model, prompt="Hi", max_tokens=2, extra_headers={"X-Vllm-Priority": "7"}
+    )
+    assert re.fullmatch(r"[0-9a-f]{32}", r.headers["x-request-id"])
+    assert r.parse().usage.completion_tokens == 2
+    # Every response gets one, errors and the server's own endpoints too (vLLM's middleware).
+    assert re.fullmatch(r"[0-9a-f]{32}", httpx.get(f"{tiny_server.url}/health").headers["x-request-id"])
+    bad = post(tiny_server, "/v1/completions", json={"prompt": "Hi", "cache_salt": ""})
+    expect_error(bad, 400, "BadRequestError", "cache_salt")
+    assert "x-request-id" in bad.headers
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_cache_salt_shares_the_prefix_cache_only_within_a_salt(tiny_server: Server, stream: bool) -> None:
+    client = client_for(tiny_server)
+    model = client.models.list().data[0].id
+    tag = f"stream={stream}"  # each case its own prompt, so the other's cache is no hit
+
+    def cached(salt: str | None) -> int:
+        extra = {} if salt is None else {"cache_salt": salt}
+        args = {"model": model, "prompt": f"{tag} {LONG}", "max_tokens": 1, "extra_body": extra}
+        if not stream:
+            usage = client.completions.create(**args).usage
+        else:
+            opts = {"include_usage": True}
+            [*_, last] = client.completions.create(**args, stream=True, stream_options=opts)
+            usage = last.usage
+        assert usage.prompt_tokens > 64
+        return usage.prompt_tokens_details.cached_tokens
+
+    assert cached("alice") == 0
+    assert cached("alice") >= 64
+    assert cached("bob") == 0
+    assert cached(None) == 0
+    assert cached(None) >= 64
