@@ -50,6 +50,7 @@ class SamplingParams(msgspec.Struct, kw_only=True):
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True  # False: a special token after another gets no space
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     truncate_prompt_tokens: int | None = None  # keep the prompt's last k tokens; -1: as many as fit

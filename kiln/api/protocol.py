@@ -56,6 +56,7 @@ class _SamplingRequest(_Strict):
     min_tokens: int = 0
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     structured_outputs: StructuredOutputsParams | None = None
     allowed_token_ids: list[int] | None = None

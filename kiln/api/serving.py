@@ -77,6 +77,7 @@ def sampling_params(
         ignore_eos=body.ignore_eos,
         include_stop_str_in_output=body.include_stop_str_in_output,
         skip_special_tokens=body.skip_special_tokens,
+        spaces_between_special_tokens=body.spaces_between_special_tokens,
         logprobs=logprobs,
         prompt_logprobs=prompt_logprobs,
         structured_outputs=structured_outputs,

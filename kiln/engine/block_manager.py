@@ -36,14 +36,20 @@ class BlockManager:
 
     def update_hashes(self, req: Request) -> None:
         """Extends req.block_hashes over every full block of its tokens: SHA-256 of (parent hash, tokens),
-        the first block's parent being the request's cache_salt. SHA-256 (as vLLM's default), not Python's
-        hash: a tuple of ints hashes without a secret key, so a client could craft a prompt whose block
-        collides with another's and be served that request's KV."""
+        the first block's parent being the request's cache_salt. SHA-256 (vLLM's default), not Python's
+        hash: a tuple of ints hashes without a secret key by invertible steps, so a client could craft
+        blocks that hash as a common prompt's (a known system prompt) and poison what later requests with
+        it are served."""
         bs = self.block_size
-        for i in range(len(req.block_hashes), req.num_tokens // bs):
-            parent = req.block_hashes[-1] if req.block_hashes else req.cache_salt.encode()
-            tokens = array("q", req.token_ids[i * bs : (i + 1) * bs]).tobytes()
-            req.block_hashes.append(hashlib.sha256(parent + tokens).digest())
+        start, end = len(req.block_hashes), req.num_tokens // bs
+        if start == end:
+            return
+        tokens = array("q", req.token_ids[start * bs : end * bs]).tobytes()
+        width = bs * 8  # bytes of a block's ids
+        parent = req.block_hashes[-1] if req.block_hashes else req.cache_salt.encode()
+        for i in range(end - start):
+            parent = hashlib.sha256(parent + tokens[i * width : (i + 1) * width]).digest()
+            req.block_hashes.append(parent)
 
     def match_prefix(self, req: Request) -> int:
         """Takes the longest cached prefix of a new request; returns the number of tokens it covers.

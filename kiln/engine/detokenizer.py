@@ -9,18 +9,35 @@ _CONTEXT = 6
 
 
 class IncrementalDetokenizer:
-    """Turns output tokens into text as they arrive, never splitting a UTF-8 character."""
+    """Turns output tokens into text as they arrive, never splitting a UTF-8 character.
+    spaces_between_special_tokens=False (with special tokens kept), as vLLM: a special token right after
+    another is its own text, without the space a decoder that joins tokens by spaces puts before it."""
 
-    def __init__(self, tokenizer: Any, prompt_ids: list[int], skip_special_tokens: bool) -> None:
+    def __init__(
+        self,
+        tokenizer: Any,
+        prompt_ids: list[int],
+        skip_special_tokens: bool,
+        spaces_between_special_tokens: bool = True,
+    ) -> None:
         if not getattr(tokenizer, "is_fast", False):
             raise ValueError("kiln needs a fast tokenizer (a model folder with tokenizer.json)")
         self._backend = tokenizer.backend_tokenizer
         self._stream = DecodeStream(ids=prompt_ids[-_CONTEXT:], skip_special_tokens=skip_special_tokens)
+        self._added: dict[int, str] | None = None
+        if not (skip_special_tokens or spaces_between_special_tokens):
+            self._added = {i: t.content for i, t in self._backend.get_added_tokens_decoder().items()}
+        self._last_added = False
 
     def step(self, token_ids: list[int]) -> str:
         out = []
         for token_id in token_ids:
             chunk = self._stream.step(self._backend, token_id)
+            if self._added is not None:
+                content = self._added.get(token_id)
+                if content is not None and self._last_added:
+                    chunk = content
+                self._last_added = content is not None
             if chunk:
                 out.append(chunk)
         return "".join(out)

@@ -253,7 +253,12 @@ class LLMEngine:
             token_ids=list(ids),
             num_prompt_tokens=len(ids),
             max_tokens=min(p.max_tokens or room, room),
-            text=SequenceText(IncrementalDetokenizer(self.tokenizer, ids, p.skip_special_tokens), p.stop),
+            text=SequenceText(
+                IncrementalDetokenizer(
+                    self.tokenizer, ids, p.skip_special_tokens, p.spaces_between_special_tokens
+                ),
+                p.stop,
+            ),
             generator=generator,
             min_tokens_banned=banned,
             stop_ids=frozenset(p.stop_token_ids),

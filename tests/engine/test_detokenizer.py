@@ -153,3 +153,25 @@ def test_find_stop_takes_the_earliest_of_several() -> None:
     # One that started in old text and ends in the new chunk beats one wholly in the new chunk.
     assert find_stop("ab" + "cXY", 3, ["XY", "bc"]) == (1, "bc")
     assert find_stop("no stops here", 13, ["zz", "qq"]) is None
+
+
+def test_no_spaces_between_special_tokens() -> None:
+    """vLLM's spaces_between_special_tokens=False: a special token right after another loses the space a
+    decoder that joins tokens by spaces puts before it (here the tokenizers default, with no decoder)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel({"[UNK]": 0, "hello": 1, "world": 2}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, unk_token="[UNK]", additional_special_tokens=["<a>", "<b>"]
+    )
+    ids = fast.encode("hello <a><b> world <b>")
+    assert ids == [1, 3, 4, 2, 4]
+    spaced = IncrementalDetokenizer(fast, [1], skip_special_tokens=False)
+    assert [spaced.step([t]) for t in ids] == [" hello", " <a>", " <b>", " world", " <b>"]
+    tight = IncrementalDetokenizer(fast, [1], False, spaces_between_special_tokens=False)
+    assert [tight.step([t]) for t in ids] == [" hello", " <a>", "<b>", " world", " <b>"]
+    # Skipped special tokens have no text to space.
+    skipped = IncrementalDetokenizer(fast, [1], True, spaces_between_special_tokens=False)
+    assert "".join(skipped.step([t]) for t in ids) == " hello world"
