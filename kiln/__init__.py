@@ -6,15 +6,17 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from kiln.engine.beam_search import BeamSearchParams
     from kiln.engine.output import CompletionOutput, RequestOutput
     from kiln.llm import LLM
     from kiln.sampling_params import SamplingParams
 
-__all__ = ["LLM", "CompletionOutput", "RequestOutput", "SamplingParams", "__version__"]
+__all__ = ["LLM", "BeamSearchParams", "CompletionOutput", "RequestOutput", "SamplingParams", "__version__"]
 
 # Imported on first use, so `kiln serve` starts its clock (and `kiln --help` answers) before torch loads.
 _LAZY = {
     "LLM": "kiln.llm",
+    "BeamSearchParams": "kiln.engine.beam_search",
     "CompletionOutput": "kiln.engine.output",
     "RequestOutput": "kiln.engine.output",
     "SamplingParams": "kiln.sampling_params",

@@ -9,6 +9,7 @@ from typing import Any
 from tqdm import tqdm
 
 from kiln.config import EngineConfig
+from kiln.engine.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
 from kiln.engine.chat_template import render_chat
 from kiln.engine.engine import LLMEngine
 from kiln.engine.output import RequestOutput
@@ -52,6 +53,44 @@ class LLM:
                 self.engine.abort(rid)
             raise
         return self._run(ids, use_tqdm)
+
+    def beam_search(
+        self, prompts: Prompt | Sequence[Prompt], params: BeamSearchParams, use_tqdm: bool = False
+    ) -> list[BeamSearchOutput]:
+        """vLLM's: each prompt's params.beam_width best beams (kiln.engine.beam_search), the best first;
+        a sequence's tokens and text hold the prompt too, as vLLM's. Prompts as for generate."""
+        batch = _as_batch(prompts)
+        eos = frozenset(self.engine.eos_token_ids)
+        searches = []
+        for prompt, _ in batch:
+            ids = self.engine.tokenize(prompt)
+            if len(ids) + params.max_tokens > self.engine.max_model_len:
+                raise ValueError(
+                    f"max_tokens {params.max_tokens} after a prompt of {len(ids)} tokens exceeds "
+                    f"max_model_len={self.engine.max_model_len}"
+                )
+            searches.append(BeamSearch(ids, params, eos))
+        step = params.step_params()
+        with tqdm(total=params.max_tokens, desc="Beam search", unit="step", disable=not use_tqdm) as bar:
+            while running := [(s, salt) for s, (_, salt) in zip(searches, batch, strict=True) if s.running]:
+                ids = []
+                for search, salt in running:
+                    for beam in search.beams:
+                        ids.append(f"beam-{next(self._ids)}")
+                        self.engine.add_request(ids[-1], beam.tokens, step, cache_salt=salt)
+                outs, start = self._run(ids, use_tqdm=False), 0
+                for search, _ in running:
+                    search.advance(outs[start : start + len(search.beams)])
+                    start += len(search.beams)
+                bar.update()
+        tokenizer = self.engine.tokenizer
+        results = []
+        for search in searches:
+            best = search.best()
+            for seq in best:
+                seq.text = tokenizer.decode(seq.tokens, skip_special_tokens=params.skip_special_tokens)
+            results.append(BeamSearchOutput(best))
+        return results
 
     def chat(
         self,

@@ -10,6 +10,7 @@ from msgspec import UNSET, UnsetType
 from starlette.requests import Request
 from starlette.responses import Response
 
+from kiln.api.beam_search import beam_search_all, check_beam_search
 from kiln.api.errors import APIError
 from kiln.api.inputs import Inputs
 from kiln.api.protocol import ChatCompletionRequest, TextPart
@@ -58,6 +59,7 @@ async def create_chat_completion(
     if body.top_logprobs is not None and not 0 <= body.top_logprobs <= MAX_LOGPROBS:
         raise APIError(400, f"top_logprobs must be in [0, {MAX_LOGPROBS}]", "top_logprobs")
     inputs.check_request(body)
+    check_beam_search(body)
     server = inputs.limits
     parser = server.tool_call_parser if server.enable_auto_tool_choice else None
     call_schema, call_name = forced_call_schema(body, auto=parser is not None)
@@ -78,16 +80,19 @@ async def create_chat_completion(
     ids = truncate_prompt(ids, body.truncate_prompt_tokens, max_tokens, engine.max_model_len)
     params = sampling_params(body, len(ids), engine.max_model_len, max_tokens, k, body.prompt_logprobs, so)
     rid = response_id("chatcmpl", request, body)
-    streams = start_all(engine, request, body, rid, [ids], [params])
     # A forced call's JSON is constrained from the first token: there is no thinking to set apart.
     think = server.reasoning_parser if not calls else None
     reading = functools.partial(_Reading.start, think, auto, body.include_reasoning)
-    if body.stream:
-        usage_chunk = functools.partial(ChatCompletionChunk, id=rid, model=model)
-        chunks = _Chunks(rid, model, k, calls, call_name, body, role, echo, reading)
-        asked = usage_asked(body, server.enable_prompt_tokens_details)
-        return stream_response(merged(streams), 1, chunks, usage_chunk, asked)
-    outputs = await final_outputs(request, streams)
+    if body.use_beam_search:
+        outputs = await beam_search_all(engine, request, body, rid, [ids], [params])
+    else:
+        streams = start_all(engine, request, body, rid, [ids], [params])
+        if body.stream:
+            usage_chunk = functools.partial(ChatCompletionChunk, id=rid, model=model)
+            chunks = _Chunks(rid, model, k, calls, call_name, body, role, echo, reading)
+            asked = usage_asked(body, server.enable_prompt_tokens_details)
+            return stream_response(merged(streams), 1, chunks, usage_chunk, asked)
+        outputs = await final_outputs(request, streams)
     if outputs is None:
         return None
     out = outputs[0]

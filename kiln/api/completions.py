@@ -11,6 +11,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import Response
 
+from kiln.api.beam_search import beam_search_all, check_beam_search
 from kiln.api.errors import APIError
 from kiln.api.inputs import Inputs
 from kiln.api.protocol import CompletionRequest
@@ -44,6 +45,7 @@ async def create_completion(
     if body.best_of is not None and body.best_of != body.n:
         raise APIError(400, "best_of must equal n: kiln does not rank samples", "best_of")
     inputs.check_request(body)
+    check_beam_search(body)
     # As vLLM: echo with max_tokens 0 returns the prompt alone (with its logprobs if asked). The engine
     # runs the prefill that scores the prompt and samples one token, which is dropped.
     prompt_only = body.echo and body.max_tokens == 0
@@ -61,15 +63,17 @@ async def create_completion(
         for p in prompts
     ]
     rid = response_id("cmpl", request, body)
-    streams = start_all(engine, request, body, rid, [p.ids for p in prompts], params)
     cached = inputs.limits.enable_prompt_tokens_details
-    if body.stream:
-        usage_chunk = functools.partial(CompletionResponse, id=rid, model=model)
-        chunks = functools.partial(_chunks, rid, model, body, texts, engine.tokenizer)
-        outputs = _without_completions(merged(streams)) if prompt_only else merged(streams)
-        asked = usage_asked(body, cached)
-        return stream_response(outputs, body.n, chunks, usage_chunk, asked)
-    finals = await final_outputs(request, streams)
+    if body.use_beam_search:
+        finals = await beam_search_all(engine, request, body, rid, [p.ids for p in prompts], params)
+    else:
+        streams = start_all(engine, request, body, rid, [p.ids for p in prompts], params)
+        if body.stream:
+            usage_chunk = functools.partial(CompletionResponse, id=rid, model=model)
+            chunks = functools.partial(_chunks, rid, model, body, texts, engine.tokenizer)
+            outputs = _without_completions(merged(streams)) if prompt_only else merged(streams)
+            return stream_response(outputs, body.n, chunks, usage_chunk, usage_asked(body, cached))
+        finals = await final_outputs(request, streams)
     if finals is None:
         return None
     if prompt_only:

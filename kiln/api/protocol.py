@@ -68,6 +68,8 @@ class _SamplingRequest(_Strict):
     priority: int = 0  # smaller first, under --scheduling-policy priority (the X-Vllm-Priority header wins)
     cache_salt: str | None = None  # only requests with the same salt share prefix-cache blocks
     request_id: str | None = None  # the response's id after its prefix (the X-Request-Id header wins)
+    use_beam_search: bool = False  # n beams, the best n returned (kiln.api.beam_search)
+    length_penalty: float = 1.0  # beam scores: cumulative logprob / length ** length_penalty
 
 
 class CompletionRequest(_SamplingRequest, kw_only=True):

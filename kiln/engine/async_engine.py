@@ -87,6 +87,7 @@ class AsyncEngine:
     tokenizer: Any
     max_model_len: int
     vocab_size: int
+    eos_token_ids: frozenset[int]
     model_path: Path
     timings: dict[str, float]  # start-up, by part
     metrics: Metrics
@@ -109,6 +110,7 @@ class AsyncEngine:
         self.tokenizer = load_tokenizer(config, self.engine.model_path)
         self.max_model_len = self.engine.max_model_len
         self.vocab_size = self.engine.model.dims.vocab_size
+        self.eos_token_ids = frozenset(self.engine.eos_token_ids)
         self.model_path = self.engine.model_path
         self.timings = self.engine.timings
         self.metrics = Metrics(model_name, self.engine.stats)

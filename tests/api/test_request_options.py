@@ -131,3 +131,48 @@ def test_cache_salt_shares_the_prefix_cache_only_within_a_salt(tiny_server: Serv
     assert cached("bob") == 0
     assert cached(None) == 0
     assert cached(None) >= 64
+
+
+def test_beam_search(server: Server) -> None:
+    client = client_for(server)
+    prompt = "The history of the lighthouse begins"
+    beams = client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=8, n=3, logprobs=1,
+        extra_body={"use_beam_search": True, "return_token_ids": True},
+    )  # fmt: skip
+    assert [c.index for c in beams.choices] == [0, 1, 2]
+    assert len({c.text for c in beams.choices}) == 3
+    assert all(c.finish_reason == "length" and len(c.token_ids) == 8 for c in beams.choices)
+    # The best beam first: its tokens' logprobs sum highest.
+    sums = [sum(c.logprobs.token_logprobs) for c in beams.choices]
+    assert sums == sorted(sums, reverse=True)
+    assert beams.usage.completion_tokens == 24
+    # One beam is greedy decoding.
+    greedy = client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0)
+    one = client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=8, extra_body={"use_beam_search": True}
+    )
+    assert one.choices[0].text == greedy.choices[0].text
+    question = [{"role": "user", "content": "What is the capital of France?"}]
+    chat = client.chat.completions.create(
+        model=MODEL, messages=question, max_tokens=40, n=2,
+        extra_body={"use_beam_search": True, "length_penalty": 1.0},
+    )  # fmt: skip
+    assert len(chat.choices) == 2 and "Paris" in chat.choices[0].message.content
+    assert chat.choices[0].finish_reason == "stop"
+
+
+@pytest.mark.parametrize(
+    "extra, param",
+    [
+        ({"use_beam_search": True, "stream": True}, "stream"),
+        ({"use_beam_search": True, "n": 11}, "n"),
+        ({"use_beam_search": True, "top_p": 0.5}, "top_p"),
+        ({"use_beam_search": True, "stop": ["."]}, "stop"),
+        ({"use_beam_search": True, "echo": True, "logprobs": 1}, "echo"),
+        ({"length_penalty": 0.5}, "length_penalty"),
+    ],
+)
+def test_beam_search_refuses_what_it_cannot_honour(server: Server, extra: dict, param: str) -> None:
+    r = post(server, "/v1/completions", json={"prompt": "Hi", "max_tokens": 2, **extra})
+    expect_error(r, 400, "BadRequestError", param)

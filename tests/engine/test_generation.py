@@ -7,11 +7,12 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from kiln import LLM, SamplingParams
+from kiln import LLM, BeamSearchParams, SamplingParams
 from kiln.engine.output import CompletionOutput, RequestOutput
 
 pytestmark = pytest.mark.slow
@@ -580,3 +581,53 @@ def test_repetition_penalty_greedy_matches_transformers(roomy: LLM, hf_model: An
     got = [o.outputs[0].token_ids for o in gen(roomy, [prompt, prompt], [penalised, plain])]
     assert got[0] == want
     assert got[1] != got[0]  # the penalty changed the text
+
+
+# -- beam search ----------------------------------------------------------------------------------
+
+
+def test_beam_search_matches_transformers(roomy: LLM, hf_model: Any) -> None:
+    """Where no beam meets EOS, vLLM's algorithm (each beam's 2 x width best, the width best overall) is
+    transformers': the same beams, in the same order."""
+    tok = roomy.get_tokenizer()
+    prompt = tok.encode("The history of the lighthouse begins")
+    with torch.inference_mode():
+        want = hf_model.generate(
+            torch.tensor([prompt]), max_new_tokens=8, num_beams=3, num_return_sequences=3, do_sample=False,
+            length_penalty=1.0, early_stopping=False, pad_token_id=0,
+        )[:, len(prompt):].tolist()  # fmt: skip
+    [out] = roomy.beam_search([prompt], BeamSearchParams(beam_width=3, max_tokens=8))
+    assert [s.tokens[len(prompt) :] for s in out.sequences] == want
+    assert all(s.finish_reason == "length" for s in out.sequences)
+    scores = [s.cum_logprob for s in out.sequences]
+    assert scores == sorted(scores, reverse=True)
+    assert out.sequences[0].text == tok.decode(out.sequences[0].tokens, skip_special_tokens=True)
+    # Width 1 is greedy decoding.
+    [single] = roomy.beam_search(
+        ["The history of the lighthouse begins"], BeamSearchParams(beam_width=1, max_tokens=8)
+    )
+    greedy = one(roomy, prompt, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+    assert single.sequences[0].tokens[len(prompt) :] == greedy.token_ids
+    # Each beam's logprobs are its tokens' own, and sum to its score.
+    best = out.sequences[0]
+    own = [entry[t].logprob for t, entry in zip(best.tokens[len(prompt) :], best.logprobs, strict=True)]
+    assert sum(own) == pytest.approx(best.cum_logprob, abs=1e-4)
+
+
+def test_beam_search_ends_beams_at_eos(roomy: LLM, chat_prompt: list[int]) -> None:
+    """A chat reply ends in EOS: finished beams are kept apart and ranked with the running ones."""
+    eos = roomy.engine.eos_token_ids
+    params = BeamSearchParams(beam_width=2, max_tokens=40, length_penalty=1.0)
+    [out] = roomy.beam_search([chat_prompt], params)
+    best = out.sequences[0]
+    assert best.finish_reason == "stop" and best.stop_reason in eos
+    assert best.tokens[-1] not in eos  # left out unless include_stop_str_in_output
+    assert "Paris" in best.text
+    kept = msgspec.structs.replace(params, include_stop_str_in_output=True)
+    [out] = roomy.beam_search([chat_prompt], kept)
+    assert out.sequences[0].tokens[-1] in eos
+    assert out.sequences[0].cum_logprob == pytest.approx(best.cum_logprob, abs=1e-4)
+    with pytest.raises(ValueError, match=r"^beam_width must be in \[1, 10\]"):
+        BeamSearchParams(beam_width=11, max_tokens=4)
+    with pytest.raises(ValueError, match="exceeds max_model_len"):
+        roomy.beam_search([chat_prompt], BeamSearchParams(beam_width=2, max_tokens=MAX_MODEL_LEN))
