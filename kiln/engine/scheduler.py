@@ -9,6 +9,7 @@ from __future__ import annotations
 import bisect
 import itertools
 import logging
+from collections import deque
 from dataclasses import dataclass
 
 from kiln.config import SchedulerConfig
@@ -38,14 +39,24 @@ class Scheduler:
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.chunk = chunk
         self.block_manager = block_manager
-        self.waiting: list[Request] = []  # in rank order
+        self.waiting: deque[Request] = deque()  # in rank order
         self.running: list[Request] = []  # in admission order
         self.num_preemptions = 0
         self._arrivals = itertools.count()
 
     def add(self, req: Request) -> None:
         req.arrival = next(self._arrivals)
-        bisect.insort(self.waiting, req, key=_rank)
+        self._enqueue(req)
+
+    def _enqueue(self, req: Request) -> None:
+        """Into the waiting queue in rank order; at either end (most often) without a search."""
+        waiting, rank = self.waiting, _rank(req)
+        if not waiting or rank >= _rank(waiting[-1]):
+            waiting.append(req)
+        elif rank <= _rank(waiting[0]):
+            waiting.appendleft(req)
+        else:
+            bisect.insort(waiting, req, key=_rank)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -88,7 +99,7 @@ class Scheduler:
             req = self.waiting[0]
             # (A request preempted with a token in flight waits for it: it is landed before the next step.)
             if req.num_pending or (req.grammar is not None and not req.grammar.ready):
-                skipped.append(self.waiting.pop(0))
+                skipped.append(self.waiting.popleft())
                 continue
             if req.num_computed_tokens == 0:
                 req.num_computed_tokens = self.block_manager.match_prefix(req)
@@ -97,7 +108,7 @@ class Scheduler:
                 self.block_manager.free_request(req)
                 req.num_computed_tokens = 0
                 break
-            self.waiting.pop(0)
+            self.waiting.popleft()
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = req.num_computed_tokens
             req.status = Status.RUNNING
@@ -105,7 +116,7 @@ class Scheduler:
             batch.requests.append(req)
             batch.num_new_tokens.append(num_new)
             budget -= num_new
-        self.waiting[:0] = skipped  # they ranked first
+        self.waiting.extendleft(reversed(skipped))  # they ranked first
         return batch
 
     def _preempt(self, req: Request) -> None:
@@ -113,7 +124,7 @@ class Scheduler:
         self.block_manager.free_request(req)
         req.num_computed_tokens = 0
         req.status = Status.WAITING
-        bisect.insort(self.waiting, req, key=_rank)
+        self._enqueue(req)
         self.num_preemptions += 1
         log.debug("preempted %s (%d tokens)", req.request_id, req.num_tokens)
 

@@ -280,10 +280,10 @@ def test_preemption_takes_the_last_ranked_even_when_it_has_work_in_the_step(lazy
     assert batch.num_preempted == 1
     if lazy_priority == 0:
         assert scheduled(batch) == [("lazy", 1)]
-        assert sched.running == [lazy] and sched.waiting == [urgent]
+        assert sched.running == [lazy] and list(sched.waiting) == [urgent]
     else:
         assert scheduled(batch) == [("urgent", 1)]
-        assert sched.running == [urgent] and sched.waiting == [lazy]
+        assert sched.running == [urgent] and list(sched.waiting) == [lazy]
         assert lazy.num_computed_tokens == 0 and lazy.block_ids == [] and lazy.num_tokens == 8
         assert len(urgent.block_ids) == 3
 
