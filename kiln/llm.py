@@ -63,7 +63,7 @@ class LLM:
         eos = frozenset(self.engine.eos_token_ids)
         searches = []
         for prompt, _ in batch:
-            ids = self.engine.tokenize(prompt)
+            ids = self.engine.admission.tokenize(prompt)
             if len(ids) + params.max_tokens > self.engine.max_model_len:
                 raise ValueError(
                     f"max_tokens {params.max_tokens} after a prompt of {len(ids)} tokens exceeds "

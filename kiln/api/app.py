@@ -118,7 +118,7 @@ class App:
             engine.tokenizer,
             engine.vocab_size,
             engine.max_model_len,
-            engine.engine.check_prompt,
+            engine.admission.check_prompt,
             self.config.server,
         )
         self.engine = engine

@@ -44,8 +44,8 @@ from kiln.api.serving import (
 )
 from kiln.api.tool_calls import ToolCallStream, forced_call_schema
 from kiln.api.tool_parser import PARSERS, HermesTools, Llama3JsonTools
+from kiln.engine.admission import MAX_LOGPROBS
 from kiln.engine.async_engine import AsyncEngine
-from kiln.engine.engine import MAX_LOGPROBS
 from kiln.engine.request import PositionLogprobs
 from kiln.sampling_params import truncate_prompt
 

@@ -5,6 +5,7 @@ serves HTTP never waits on a model step; the two talk through a command queue on
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import queue
 import threading
@@ -14,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from kiln.config import EngineConfig
+from kiln.engine.admission import Admission
 from kiln.engine.engine import LLMEngine
 from kiln.engine.metrics import Metrics
 from kiln.engine.output import RequestOutput, merge
@@ -88,6 +90,7 @@ class AsyncEngine:
     max_model_len: int
     vocab_size: int
     eos_token_ids: frozenset[int]
+    admission: Admission  # the engine's checks, with the event loop's tokenizer
     model_path: Path
     timings: dict[str, float]  # start-up, by part
     metrics: Metrics
@@ -108,6 +111,7 @@ class AsyncEngine:
         self.engine = await self._built
         # The event loop's own tokenizer: a fast tokenizer is not safe to share with the engine thread.
         self.tokenizer = load_tokenizer(config, self.engine.model_path)
+        self.admission = dataclasses.replace(self.engine.admission, tokenizer=self.tokenizer)
         self.max_model_len = self.engine.max_model_len
         self.vocab_size = self.engine.model.dims.vocab_size
         self.eos_token_ids = frozenset(self.engine.eos_token_ids)
@@ -134,9 +138,9 @@ class AsyncEngine:
             raise EngineDeadError(f"the engine has died: {self.dead!r}")
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in use")
-        self.engine.check_options(priority, cache_salt)
-        self.engine.check_params(params)
-        self.engine.check_prompt(prompt_ids)
+        self.admission.check_options(priority, cache_salt)
+        self.admission.check_params(params)
+        self.admission.check_prompt(prompt_ids)
         stream = RequestStream(request_id, self)
         self._streams[request_id] = stream
         self._commands.put(_Add(request_id, prompt_ids, params, priority, cache_salt))

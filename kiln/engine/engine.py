@@ -15,15 +15,12 @@ from kiln.compile.buckets import BucketPlan
 from kiln.compile.cache import CompileCache, import_builds, point_caches
 from kiln.compile.lowering import BucketReport
 from kiln.config import EngineConfig
-from kiln.engine.bad_words import BadWords, tokenize_bad_words
+from kiln.engine.admission import Admission
 from kiln.engine.block_manager import BlockManager
-from kiln.engine.constraint import Constraint
-from kiln.engine.detokenizer import IncrementalDetokenizer, SequenceText
 from kiln.engine.dummy_steps import DummySteps
 from kiln.engine.grammar import Grammars
 from kiln.engine.memory import kv_cache_blocks
 from kiln.engine.output import OutputProcessor, Parent, RequestOutput
-from kiln.engine.request import Request
 from kiln.engine.runner import ModelRunner
 from kiln.engine.scheduler import ScheduledBatch, Scheduler
 from kiln.engine.step_result import StepResult
@@ -33,11 +30,9 @@ from kiln.ops.backend import choose_backend
 from kiln.ops.cpu import threads
 from kiln.paths import cache_root
 from kiln.platform import resolve_device
-from kiln.sampling_params import SamplingParams, truncate_prompt
+from kiln.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
-
-MAX_LOGPROBS = 20  # vLLM's default cap on logprobs and prompt_logprobs
 
 
 class LLMEngine:
@@ -97,6 +92,15 @@ class LLMEngine:
         self.eos_token_ids = eos_token_ids(self.tokenizer, path)
         self.grammars = Grammars(lambda: load_tokenizer(config, path), dims.vocab_size, self.eos_token_ids)
         self.runner = ModelRunner(self.model, config, self.max_model_len, self.backend, self.grammars)
+        self.admission = Admission(
+            self.tokenizer,
+            self.grammars,
+            self.eos_token_ids,
+            dims.vocab_size,
+            self.max_model_len,
+            config.scheduler.policy,
+            self.runner.device,
+        )
         self.timings["runner"] = time.perf_counter() - clock
         num_blocks = kv_cache_blocks(config, self.runner, self.max_model_len, self.timings)
         clock = time.perf_counter()
@@ -142,51 +146,6 @@ class LLMEngine:
 
     # -- admission ----------------------------------------------------------------------------
 
-    def tokenize(self, prompt: str | list[int], params: SamplingParams | None = None) -> list[int]:
-        """The prompt's ids, truncated as params ask."""
-        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        if params is not None:
-            ids = truncate_prompt(ids, params.truncate_prompt_tokens, params.max_tokens, self.max_model_len)
-        self.check_prompt(ids)
-        return ids
-
-    def check_prompt(self, ids: list[int]) -> None:
-        if not ids:
-            raise ValueError("prompt is empty")
-        if len(ids) >= self.max_model_len:
-            raise ValueError(
-                f"prompt has {len(ids)} tokens, which leaves no room to generate within "
-                f"max_model_len={self.max_model_len}"
-            )
-        vocab = self.model.dims.vocab_size
-        if any(not 0 <= t < vocab for t in ids):
-            raise ValueError(f"prompt token ids must be in [0, {vocab})")
-
-    def check_params(self, params: SamplingParams) -> BadWords:
-        """What SamplingParams can't check alone: limits that depend on the model. Returns the bad words
-        as token sequences, which checking them makes."""
-        vocab = self.model.dims.vocab_size
-        for name in ("logprobs", "prompt_logprobs"):
-            k = getattr(params, name)
-            if k is not None and k > MAX_LOGPROBS:
-                raise ValueError(f"{name} must be at most {MAX_LOGPROBS}, got {k}")
-        for name in ("logit_bias", "stop_token_ids", "allowed_token_ids"):
-            bad = [t for t in getattr(params, name) or () if not 0 <= t < vocab]
-            if bad:
-                raise ValueError(f"{name} token ids must be in [0, {vocab}), got {bad[:4]}")
-        if params.structured_outputs is not None:
-            self.grammars.check(params.structured_outputs)
-        return tokenize_bad_words(self.tokenizer, params.bad_words, vocab)
-
-    def check_options(self, priority: int, cache_salt: str | None) -> None:
-        """vLLM's request options beside the params."""
-        if priority and self.config.scheduler.policy != "priority":
-            raise ValueError(
-                f"priority {priority} needs the priority scheduling policy (--scheduling-policy priority)"
-            )
-        if cache_salt == "":
-            raise ValueError("cache_salt must be a non-empty string if given")
-
     def add_request(
         self,
         request_id: str,
@@ -200,75 +159,15 @@ class LLMEngine:
         the same salt share prefix-cache blocks."""
         if request_id in self.output.parents:
             raise ValueError(f"request id {request_id!r} is already in use")
-        self.check_options(priority, cache_salt)
-        bad_words = self.check_params(params)
-        ids = self.tokenize(prompt, params)
-        so = params.structured_outputs
-        constraint = None if so is None else self.grammars.check(so)  # parsed once, for every child
-        children = []
-        for i in range(params.n):
-            p = (
-                params
-                if params.n == 1
-                else msgspec.structs.replace(
-                    params,
-                    n=1,
-                    seed=None if params.seed is None else params.seed + i,
-                    prompt_logprobs=params.prompt_logprobs if i == 0 else None,
-                )
-            )
-            child_id = f"{request_id}-{i}" if params.n > 1 else request_id
-            children.append(
-                self._request(child_id, request_id, ids, p, constraint, bad_words, priority, cache_salt or "")
-            )
+        admission = self.admission
+        admission.check_options(priority, cache_salt)
+        bad_words = admission.check_params(params)
+        ids = admission.tokenize(prompt, params)
+        children = admission.requests(request_id, ids, params, bad_words, priority, cache_salt)
         parent = Parent(request_id, prompt if isinstance(prompt, str) else None, children)
         self.output.parents[request_id] = parent
         for child in children:
             self.scheduler.add(child)
-
-    def _request(
-        self,
-        request_id: str,
-        parent_id: str,
-        ids: list[int],
-        p: SamplingParams,
-        constraint: Constraint | None,
-        bad_words: BadWords = (),
-        priority: int = 0,
-        cache_salt: str = "",
-    ) -> Request:
-        banned = (
-            []
-            if p.min_tokens == 0
-            else sorted(set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos_token_ids))
-        )
-        room = self.max_model_len - len(ids)
-        generator = None
-        if p.seed is not None:
-            generator = torch.Generator(device=self.runner.device).manual_seed(p.seed)
-        return Request(
-            request_id=request_id,
-            parent_id=parent_id,
-            params=p,
-            token_ids=list(ids),
-            num_prompt_tokens=len(ids),
-            max_tokens=min(p.max_tokens or room, room),
-            text=SequenceText(
-                IncrementalDetokenizer(
-                    self.tokenizer, ids, p.skip_special_tokens, p.spaces_between_special_tokens
-                ),
-                p.stop,
-            ),
-            generator=generator,
-            min_tokens_banned=banned,
-            stop_ids=frozenset(p.stop_token_ids),
-            bad_words=bad_words,
-            grammar=None if constraint is None else self.grammars.start(constraint),
-            priority=priority,
-            cache_salt=cache_salt,
-            logprobs=[] if p.logprobs is not None else None,
-            prompt_logprobs=[None] if p.prompt_logprobs is not None else None,
-        )
 
     def abort(self, request_id: str) -> None:
         parent = self.output.parents.pop(request_id, None)

@@ -1,0 +1,149 @@
+"""Admission: what a request is checked against before it is queued (the model's vocabulary and context,
+the engine's limits and scheduling policy), and the Requests it becomes, one per sample. The checks raise
+ValueError, beginning with the field's name; LLMEngine.add_request queues what passes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+import torch
+
+from kiln.engine.bad_words import BadWords, tokenize_bad_words
+from kiln.engine.constraint import Constraint
+from kiln.engine.detokenizer import IncrementalDetokenizer, SequenceText
+from kiln.engine.grammar import Grammars
+from kiln.engine.request import Request
+from kiln.sampling_params import SamplingParams, truncate_prompt
+
+MAX_LOGPROBS = 20  # vLLM's default cap on logprobs and prompt_logprobs
+
+
+@dataclass(frozen=True, slots=True)
+class Admission:
+    tokenizer: Any  # a fast tokenizer is not safe to share between threads: one Admission per thread
+    grammars: Grammars
+    eos_token_ids: set[int]
+    vocab_size: int
+    max_model_len: int
+    policy: str  # the scheduler's: "fcfs" or "priority"
+    device: torch.device  # where seeded requests' generators live
+
+    def tokenize(self, prompt: str | list[int], params: SamplingParams | None = None) -> list[int]:
+        """The prompt's ids, truncated as params ask."""
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        if params is not None:
+            ids = truncate_prompt(ids, params.truncate_prompt_tokens, params.max_tokens, self.max_model_len)
+        self.check_prompt(ids)
+        return ids
+
+    def check_prompt(self, ids: list[int]) -> None:
+        if not ids:
+            raise ValueError("prompt is empty")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt has {len(ids)} tokens, which leaves no room to generate within "
+                f"max_model_len={self.max_model_len}"
+            )
+        vocab = self.vocab_size
+        if any(not 0 <= t < vocab for t in ids):
+            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+
+    def check_params(self, params: SamplingParams) -> BadWords:
+        """What SamplingParams can't check alone: limits that depend on the model. Returns the bad words
+        as token sequences, which checking them makes."""
+        vocab = self.vocab_size
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(params, name)
+            if k is not None and k > MAX_LOGPROBS:
+                raise ValueError(f"{name} must be at most {MAX_LOGPROBS}, got {k}")
+        for name in ("logit_bias", "stop_token_ids", "allowed_token_ids"):
+            bad = [t for t in getattr(params, name) or () if not 0 <= t < vocab]
+            if bad:
+                raise ValueError(f"{name} token ids must be in [0, {vocab}), got {bad[:4]}")
+        if params.structured_outputs is not None:
+            self.grammars.check(params.structured_outputs)
+        return tokenize_bad_words(self.tokenizer, params.bad_words, vocab)
+
+    def check_options(self, priority: int, cache_salt: str | None) -> None:
+        """vLLM's request options beside the params."""
+        if priority and self.policy != "priority":
+            raise ValueError(
+                f"priority {priority} needs the priority scheduling policy (--scheduling-policy priority)"
+            )
+        if cache_salt == "":
+            raise ValueError("cache_salt must be a non-empty string if given")
+
+    def requests(
+        self,
+        request_id: str,
+        ids: list[int],
+        params: SamplingParams,
+        bad_words: BadWords,
+        priority: int,
+        cache_salt: str | None,
+    ) -> list[Request]:
+        """The checked request as one Request per sample: with n > 1 each gets its own seed (seed + i)
+        and id (request_id-i); only the first scores the prompt."""
+        so = params.structured_outputs
+        constraint = None if so is None else self.grammars.check(so)  # parsed once, for every sample
+        requests = []
+        for i in range(params.n):
+            p = (
+                params
+                if params.n == 1
+                else msgspec.structs.replace(
+                    params,
+                    n=1,
+                    seed=None if params.seed is None else params.seed + i,
+                    prompt_logprobs=params.prompt_logprobs if i == 0 else None,
+                )
+            )
+            child_id = f"{request_id}-{i}" if params.n > 1 else request_id
+            requests.append(
+                self._request(child_id, request_id, ids, p, constraint, bad_words, priority, cache_salt or "")
+            )
+        return requests
+
+    def _request(
+        self,
+        request_id: str,
+        parent_id: str,
+        ids: list[int],
+        p: SamplingParams,
+        constraint: Constraint | None,
+        bad_words: BadWords,
+        priority: int,
+        cache_salt: str,
+    ) -> Request:
+        banned = (
+            []
+            if p.min_tokens == 0
+            else sorted(set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos_token_ids))
+        )
+        room = self.max_model_len - len(ids)
+        generator = None
+        if p.seed is not None:
+            generator = torch.Generator(device=self.device).manual_seed(p.seed)
+        detokenizer = IncrementalDetokenizer(
+            self.tokenizer, ids, p.skip_special_tokens, p.spaces_between_special_tokens
+        )
+        return Request(
+            request_id=request_id,
+            parent_id=parent_id,
+            params=p,
+            token_ids=list(ids),
+            num_prompt_tokens=len(ids),
+            max_tokens=min(p.max_tokens or room, room),
+            text=SequenceText(detokenizer, p.stop),
+            generator=generator,
+            min_tokens_banned=banned,
+            stop_ids=frozenset(p.stop_token_ids),
+            bad_words=bad_words,
+            grammar=None if constraint is None else self.grammars.start(constraint),
+            priority=priority,
+            cache_salt=cache_salt,
+            logprobs=[] if p.logprobs is not None else None,
+            prompt_logprobs=[None] if p.prompt_logprobs is not None else None,
+        )
