@@ -28,7 +28,6 @@ from kiln.api.responses import (
     TopLogprob,
 )
 from kiln.api.serving import (
-    ChoiceDelta,
     constraint,
     final_outputs,
     ids_if,
@@ -37,11 +36,9 @@ from kiln.api.serving import (
     response_id,
     sampling_params,
     start_all,
-    stream_response,
     token_text,
-    usage,
-    usage_asked,
 )
+from kiln.api.streaming import ChoiceDelta, stream_response, usage, usage_asked
 from kiln.api.tool_calls import ToolCallStream, forced_call_schema
 from kiln.api.tool_parser import PARSERS, HermesTools, Llama3JsonTools
 from kiln.engine.admission import MAX_LOGPROBS

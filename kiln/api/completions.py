@@ -17,7 +17,6 @@ from kiln.api.inputs import Inputs
 from kiln.api.protocol import CompletionRequest
 from kiln.api.responses import CompletionChoice, CompletionLogprobs, CompletionResponse
 from kiln.api.serving import (
-    ChoiceDelta,
     constraint,
     final_outputs,
     ids_if,
@@ -26,11 +25,9 @@ from kiln.api.serving import (
     response_id,
     sampling_params,
     start_all,
-    stream_response,
     token_text,
-    usage,
-    usage_asked,
 )
+from kiln.api.streaming import ChoiceDelta, stream_response, usage, usage_asked
 from kiln.engine.async_engine import AsyncEngine
 from kiln.engine.output import CompletionOutput, RequestOutput
 from kiln.engine.request import PositionLogprobs

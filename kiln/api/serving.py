@@ -1,26 +1,24 @@
-"""What completions and chat share: sampling params from a request, running several engine streams as
-one, waiting for a non-streamed result while watching for the client to leave, and SSE framing."""
+"""What completions and chat share: sampling params from a request, starting its engine requests,
+running several engine streams as one, and waiting for a non-streamed result while watching for the
+client to leave. What they stream, and their usage, is in kiln.api.streaming."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterable
-from dataclasses import dataclass
+from collections.abc import AsyncIterator
 from typing import Any
 
 import msgspec
 from msgspec import UNSET, UnsetType
 from starlette.requests import Request
-from starlette.responses import StreamingResponse
 
-from kiln.api.errors import APIError, as_api_error
+from kiln.api.errors import APIError
 from kiln.api.inputs import Inputs
 from kiln.api.protocol import _SamplingRequest
-from kiln.api.responses import PromptTokensDetails, Usage
 from kiln.engine.async_engine import AsyncEngine, RequestStream
-from kiln.engine.output import CompletionOutput, RequestOutput, merge
+from kiln.engine.output import RequestOutput, merge
 from kiln.engine.request import PositionLogprobs
 from kiln.sampling_params import SamplingParams, StructuredOutputsParams
 
@@ -216,84 +214,6 @@ async def _disconnected(request: Request) -> None:
         pass
 
 
-@dataclass(slots=True)
-class ChoiceDelta:
-    index: int  # the choice's index in the response: prompt * n + sequence
-    prompt: int  # which of the request's prompts
-    first: bool  # the choice's first delta
-    offset: int  # characters of the choice's text sent before this delta
-    output: CompletionOutput  # what is new
-    request: RequestOutput
-
-
-@dataclass(slots=True, frozen=True)
-class UsageAsked:
-    """Where a stream carries its usage (stream_options, as vLLM reads them), and what it holds."""
-
-    final: bool  # a chunk without choices at the end
-    continuous: bool  # vLLM's continuous_usage_stats: every chunk too, the usage so far
-    cached: bool  # prompt_tokens_details.cached_tokens (--enable-prompt-tokens-details)
-
-
-def usage_asked(body: _SamplingRequest, cached: bool) -> UsageAsked:
-    opts = body.stream_options
-    final = opts is not None and opts.include_usage
-    return UsageAsked(final, final and opts is not None and opts.continuous_usage_stats, cached)
-
-
-def stream_response(
-    outputs: AsyncIterator[tuple[int, RequestOutput]],
-    n: int,
-    chunks: Callable[[list[ChoiceDelta]], list[Any]],
-    usage_chunk: Callable[..., msgspec.Struct],
-    asked: UsageAsked,
-) -> StreamingResponse:
-    """What both endpoints stream: each engine output (from `merged`) as the endpoint's chunks of choice
-    deltas; then, if asked, one chunk without choices (usage_chunk: the endpoint's chunk type) with the
-    usage."""
-    return _sse(_events(outputs, n, chunks, usage_chunk, asked))
-
-
-async def _events(
-    outputs: AsyncIterator[tuple[int, RequestOutput]],
-    n: int,
-    chunks: Callable[[list[ChoiceDelta]], list[Any]],
-    usage_chunk: Callable[..., msgspec.Struct],
-    asked: UsageAsked,
-) -> AsyncIterator[msgspec.Struct]:
-    sent: dict[int, int] = {}  # choice index -> characters sent
-    prompts: dict[int, RequestOutput] = {}  # each prompt's latest output
-    completion_tokens = 0
-    async for i, out in outputs:
-        deltas = []
-        for c in out.outputs:
-            index = i * n + c.index
-            deltas.append(ChoiceDelta(index, i, index not in sent, sent.get(index, 0), c, out))
-            sent[index] = sent.get(index, 0) + len(c.text)
-            completion_tokens += len(c.token_ids)
-        prompts[i] = out
-        so_far = _usage(prompts.values(), completion_tokens, asked.cached) if asked.continuous else None
-        for chunk in chunks(deltas):
-            if so_far is not None:
-                chunk.usage = so_far
-            yield chunk
-    if asked.final:
-        yield usage_chunk(choices=[], usage=_usage(prompts.values(), completion_tokens, asked.cached))
-
-
-def _usage(prompts: Iterable[RequestOutput], completion: int, cached: bool) -> Usage:
-    """The usage of these prompts' outputs (one each) with `completion` tokens generated."""
-    prompt, hits = 0, 0
-    for out in prompts:
-        prompt += len(out.prompt_token_ids)
-        hits += out.num_cached_tokens
-    return Usage(prompt, completion, prompt + completion, PromptTokensDetails(hits) if cached else UNSET)
-
-
-def usage(outputs: list[RequestOutput], cached: bool) -> Usage:
-    return _usage(outputs, sum(len(c.token_ids) for o in outputs for c in o.outputs), cached)
-
-
 def prompt_logprobs(out: RequestOutput, k: int | None) -> list[PositionLogprobs | None] | UnsetType:
     """vLLM's prompt_logprobs of one prompt: each position's token and its k most likely (the engine may
     have computed more, for echo's logprobs); left out unless asked."""
@@ -303,20 +223,6 @@ def prompt_logprobs(out: RequestOutput, k: int | None) -> list[PositionLogprobs 
         None if entry is None else {t: lp for t, lp in entry.items() if lp.rank <= k or t == token}
         for token, entry in zip(out.prompt_token_ids, out.prompt_logprobs, strict=True)
     ]
-
-
-def _sse(events: AsyncIterator[msgspec.Struct]) -> StreamingResponse:
-    """Server-sent events ending in `data: [DONE]`; an error mid-stream becomes an error event first."""
-
-    async def body() -> AsyncIterator[bytes]:
-        try:
-            async for event in events:
-                yield b"data: " + _encoder.encode(event) + b"\n\n"
-        except Exception as e:
-            yield b"data: " + _encoder.encode(as_api_error(e).body()) + b"\n\n"
-        yield b"data: [DONE]\n\n"
-
-    return StreamingResponse(body(), media_type="text/event-stream")
 
 
 def token_text(token_id: int, text: str, as_ids: bool) -> str:
