@@ -1,6 +1,6 @@
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 import msgspec
 
@@ -26,6 +26,37 @@ class StructuredOutputsParams(msgspec.Struct, kw_only=True, forbid_unknown_field
                 "structured_outputs needs exactly one of json, regex, choice, grammar and json_object, "
                 f"got {given or 'none'}"
             )
+
+
+class RepetitionDetectionParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """vLLM's: the output ends (finish_reason "repetition") once its last min_count x L tokens are one
+    L-token pattern repeated, for some L in [min_pattern_size, max_pattern_size]."""
+
+    max_pattern_size: int = 0  # 0: off
+    min_pattern_size: int = 0  # 0: 1
+    min_count: int = 0
+
+    def __post_init__(self) -> None:
+        low, high = self.min_pattern_size, self.max_pattern_size
+        if low < 0 or high < 0 or low > high:
+            raise ValueError(
+                "repetition_detection needs max_pattern_size and min_pattern_size >= 0, with "
+                "min_pattern_size <= max_pattern_size (both 0 turn it off)"
+            )
+        if self.max_pattern_size > 0 and self.min_count < 2:
+            raise ValueError("repetition_detection needs min_count >= 2 to detect a repetition")
+
+    def repeats(self, tokens: list[int], num_output: int) -> bool:
+        """Whether the output (the last num_output of tokens) ends in a pattern repeated min_count times.
+        Reads at most max_pattern_size x min_count tokens, however long the output."""
+        for size in range(max(self.min_pattern_size, 1), self.max_pattern_size + 1):
+            span = size * self.min_count
+            if span > num_output:
+                return False
+            tail = tokens[-span:]
+            if tail == tail[:size] * self.min_count:
+                return True
+        return False
 
 
 class SamplingParams(msgspec.Struct, kw_only=True):
@@ -54,6 +85,8 @@ class SamplingParams(msgspec.Struct, kw_only=True):
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     truncate_prompt_tokens: int | None = None  # keep the prompt's last k tokens; -1: as many as fit
+    truncation_side: Literal["left", "right"] = "left"  # right: keep the first k instead
+    repetition_detection: RepetitionDetectionParams | None = None
     structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
@@ -109,16 +142,21 @@ class SamplingParams(msgspec.Struct, kw_only=True):
 
 
 def truncate_prompt(
-    ids: list[int], keep: int | None, max_tokens: int | None, max_model_len: int
+    ids: list[int],
+    keep: int | None,
+    max_tokens: int | None,
+    max_model_len: int,
+    side: Literal["left", "right"] = "left",
 ) -> list[int]:
-    """The prompt's last `keep` tokens, as vLLM truncates (from the left); keep -1: as many as leave room
-    for max_tokens (for one token when unset) within max_model_len."""
+    """The prompt's last `keep` tokens (side "left", vLLM's default: cut from the left), or its first
+    (side "right"); keep -1: as many as leave room for max_tokens (for one token when unset) within
+    max_model_len."""
     check_truncation(keep)
     if keep is None:
         return ids
     if keep == -1:
         keep = max(max_model_len - (max_tokens or 1), 1)
-    return ids[-keep:]
+    return ids[-keep:] if side == "left" else ids[:keep]
 
 
 def check_truncation(keep: int | None) -> None:

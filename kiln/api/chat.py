@@ -74,8 +74,10 @@ async def create_chat_completion(
     echo = _text(last.content) if body.echo and last.role == role else ""
     k = (body.top_logprobs or 0) if body.logprobs else None
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-    ids = truncate_prompt(ids, body.truncate_prompt_tokens, max_tokens, engine.max_model_len)
+    side = body.truncation_side or "left"
+    ids = truncate_prompt(ids, body.truncate_prompt_tokens, max_tokens, engine.max_model_len, side)
     params = sampling_params(body, len(ids), engine.max_model_len, max_tokens, k, body.prompt_logprobs, so)
+    prompt_text = await inputs.detokenize(ids) if body.return_prompt_text else UNSET
     rid = response_id("chatcmpl", request, body)
     # A forced call's JSON is constrained from the first token: there is no thinking to set apart.
     think = server.reasoning_parser if not calls else None
@@ -86,7 +88,7 @@ async def create_chat_completion(
         streams = start_all(engine, request, body, rid, [ids], [params])
         if body.stream:
             usage_chunk = functools.partial(ChatCompletionChunk, id=rid, model=model)
-            chunks = _Chunks(rid, model, k, calls, call_name, body, role, echo, reading)
+            chunks = _Chunks(rid, model, k, calls, call_name, body, role, echo, reading, prompt_text)
             asked = usage_asked(body, server.enable_prompt_tokens_details)
             return stream_response(merged(streams), 1, chunks, usage_chunk, asked)
         outputs = await final_outputs(request, streams)
@@ -119,6 +121,7 @@ async def create_chat_completion(
         usage=usage(outputs, server.enable_prompt_tokens_details),
         prompt_logprobs=prompt_logprobs(out, body.prompt_logprobs),
         prompt_token_ids=ids_if(body.return_token_ids, out.prompt_token_ids),
+        prompt_text=prompt_text,
     )
 
 
@@ -208,15 +211,17 @@ class _Chunks:
         role: str,
         echo: str,
         reading: Callable[[], _Reading],
+        prompt_text: str | UnsetType,
     ) -> None:
         self.rid, self.model, self.k = rid, model, k
+        self.prompt_text = prompt_text
         self.role, self.echo = role, echo
         self.reading = reading
         self.readings: dict[int, _Reading] = {}  # each choice's
         self.calls: dict[int, ToolCallStream] | None = {} if calls else None
         self.call_name = call_name
         self.as_ids, self.return_ids = body.return_tokens_as_token_ids, body.return_token_ids
-        self.opened = False  # the stream's first chunk is out (it carries the prompt's ids when asked)
+        self.opened = False  # the stream's first chunk is out (it carries the prompt's ids and text if asked)
 
     def __call__(self, deltas: list[ChoiceDelta]) -> list[ChatCompletionChunk]:
         out, choices = [], []
@@ -224,8 +229,10 @@ class _Chunks:
             if d.first:
                 opening = Delta(role=self.role, content="" if self.calls is None else None)
                 out.append(self._chunk([ChatChunkChoice(d.index, opening)]))
-                if not self.opened and self.return_ids:
-                    out[-1].prompt_token_ids = d.request.prompt_token_ids
+                if not self.opened:
+                    if self.return_ids:
+                        out[-1].prompt_token_ids = d.request.prompt_token_ids
+                    out[-1].prompt_text = self.prompt_text
                 self.opened = True
                 if self.echo and self.calls is None:
                     out.append(self._chunk([ChatChunkChoice(d.index, Delta(content=self.echo))]))

@@ -136,7 +136,7 @@ class Inputs:
                 if isinstance(p, str)
                 else p
             )
-            kept = truncate_prompt(ids, keep, max_tokens, self.max_model_len)
+            kept = truncate_prompt(ids, keep, max_tokens, self.max_model_len, body.truncation_side or "left")
             if isinstance(p, str) and len(kept) == len(ids):
                 out.append(Prompt(ids, p))
                 continue
@@ -227,6 +227,10 @@ def render_messages(
             message["tool_call_id"] = m.tool_call_id
         plain.append(message)
     defs = None if tools is None else msgspec.to_builtins(tools)
+    effort = body.reasoning_effort
+    if effort is not None:  # as vLLM: the template's variable, and thinking on unless the request says
+        chat_template_kwargs = {"enable_thinking": effort != "none", **(chat_template_kwargs or {})}
+        chat_template_kwargs["reasoning_effort"] = effort
     try:
         return render_chat(
             tokenizer,

@@ -8,7 +8,9 @@ from typing import Any, Literal, Protocol
 
 import msgspec
 
-from kiln.sampling_params import StructuredOutputsParams
+from kiln.sampling_params import RepetitionDetectionParams, StructuredOutputsParams
+
+ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"]
 
 
 class _Strict(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -46,7 +48,8 @@ class _SamplingRequest(_Strict):
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    user: str | None = None  # informational, as is metadata
+    user: str | None = None  # informational, as are metadata and session_id
+    session_id: str | None = None
     metadata: dict[str, str] | None = None
     response_format: ResponseFormat | None = None
     top_k: int | None = None
@@ -62,6 +65,8 @@ class _SamplingRequest(_Strict):
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
     truncate_prompt_tokens: int | None = None
+    truncation_side: Literal["left", "right"] | None = None  # null: left (keep the prompt's end)
+    repetition_detection: RepetitionDetectionParams | None = None
     prompt_logprobs: int | None = None
     return_token_ids: bool = False  # token ids beside the text
     return_tokens_as_token_ids: bool = False  # logprobs' tokens as "token_id:{id}"
@@ -135,6 +140,7 @@ class ChatRender(Protocol):
     continue_final_message: bool  # the last message left open, for the model to go on with it
     add_special_tokens: bool | None  # the tokenizer's special tokens on top of the template's
     chat_template_kwargs: dict[str, Any] | None
+    reasoning_effort: ReasoningEffort | None  # the template's reasoning_effort (and enable_thinking)
     documents: list[dict[str, str]] | None  # for a template that shows them (RAG)
 
 
@@ -150,6 +156,8 @@ class ChatCompletionRequest(_SamplingRequest, kw_only=True):
     echo: bool = False  # vLLM's: the reply starts with the last message, where it has the reply's role
     documents: list[dict[str, str]] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    reasoning_effort: ReasoningEffort | None = None
+    return_prompt_text: bool = False  # the prompt the model was given, as text
     include_reasoning: bool = True  # vLLM's: the reasoning in the reply, with a reasoning parser
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
@@ -164,6 +172,7 @@ class TokenizeRequest(msgspec.Struct, kw_only=True):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    reasoning_effort: ReasoningEffort | None = None
     documents: list[dict[str, str]] | None = None
 
 

@@ -97,6 +97,7 @@ class ChatCompletionResponse(msgspec.Struct, kw_only=True):
     usage: Usage
     prompt_logprobs: list[PositionLogprobs | None] | UnsetType = UNSET  # vLLM's, as asked
     prompt_token_ids: list[int] | UnsetType = UNSET
+    prompt_text: str | UnsetType = UNSET  # vLLM's return_prompt_text
     object: Literal["chat.completion"] = "chat.completion"
     created: int = msgspec.field(default_factory=_now)
 
@@ -135,6 +136,7 @@ class ChatCompletionChunk(msgspec.Struct, kw_only=True):
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
     prompt_token_ids: list[int] | UnsetType = UNSET  # the first chunk's, with return_token_ids
+    prompt_text: str | UnsetType = UNSET  # the first chunk's, with return_prompt_text
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
     created: int = msgspec.field(default_factory=_now)
 

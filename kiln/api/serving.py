@@ -81,6 +81,7 @@ def sampling_params(
         structured_outputs=structured_outputs,
         allowed_token_ids=body.allowed_token_ids,
         bad_words=body.bad_words or [],
+        repetition_detection=body.repetition_detection,
         **{k: v for k, v in optional.items() if v is not None},
     )
 

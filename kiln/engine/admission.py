@@ -34,7 +34,8 @@ class Admission:
         """The prompt's ids, truncated as params ask."""
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         if params is not None:
-            ids = truncate_prompt(ids, params.truncate_prompt_tokens, params.max_tokens, self.max_model_len)
+            keep, side = params.truncate_prompt_tokens, params.truncation_side
+            ids = truncate_prompt(ids, keep, params.max_tokens, self.max_model_len, side)
         self.check_prompt(ids)
         return ids
 

@@ -228,6 +228,14 @@ class OutputProcessor:
                     reason = ("stop", hit)
         if reason is None and req.num_output_tokens >= req.max_tokens:  # (max_tokens fits max_model_len)
             reason = ("length", None)
+        detect = p.repetition_detection
+        if (
+            reason is None
+            and detect is not None
+            and req.num_output_tokens >= p.min_tokens
+            and detect.repeats(req.token_ids, req.num_output_tokens)
+        ):
+            reason = ("repetition", "repetition_detected")  # vLLM's
         if reason is not None:
             req.finish_reason, req.stop_reason = reason
             req.text.settle(final=True)

@@ -5,11 +5,16 @@ from __future__ import annotations
 
 import asyncio
 import re
+from pathlib import Path
 
 import httpx
+import msgspec
 import openai
 import pytest
+from transformers import AutoTokenizer
 
+from kiln.api.inputs import render_messages
+from kiln.api.protocol import ChatCompletionRequest
 from tests.api.server import AUTH, Server, expect_error, post
 from tests.conftest import API_KEY
 
@@ -176,3 +181,66 @@ def test_beam_search(server: Server) -> None:
 def test_beam_search_refuses_what_it_cannot_honour(server: Server, extra: dict, param: str) -> None:
     r = post(server, "/v1/completions", json={"prompt": "Hi", "max_tokens": 2, **extra})
     expect_error(r, 400, "BadRequestError", param)
+
+
+def test_reasoning_effort_reaches_the_template(default_model_dir: Path) -> None:
+    """As vLLM: the template's reasoning_effort, and enable_thinking unless chat_template_kwargs set it."""
+    tok = AutoTokenizer.from_pretrained(default_model_dir)
+    tok.chat_template = (
+        "{{ reasoning_effort }} {{ enable_thinking }}|{% for m in messages %}{{ m.content }}{% endfor %}"
+    )
+
+    def rendered(**fields: object) -> str:
+        body = msgspec.convert({"messages": HI, **fields}, ChatCompletionRequest)
+        return tok.decode(render_messages(tok, body.messages, body))
+
+    assert rendered(reasoning_effort="low") == "low True|Hi"
+    assert rendered(reasoning_effort="none") == "none False|Hi"
+    assert rendered(reasoning_effort="none", chat_template_kwargs={"enable_thinking": True}) == "none True|Hi"
+    assert rendered() == " |Hi"
+
+
+def test_prompt_text_truncation_side_repetition_and_session(server: Server) -> None:
+    client = client_for(server)
+    question = [{"role": "user", "content": "What is the capital of France?"}]
+    template = httpx.post(f"{server.url}/tokenize", json={"messages": question}).json()["tokens"]
+    text = httpx.post(f"{server.url}/detokenize", json={"tokens": template}).json()["prompt"]
+    r = client.chat.completions.create(
+        model=MODEL, messages=question, max_tokens=2,
+        extra_body={"return_prompt_text": True, "session_id": "conversation-1", "reasoning_effort": "low"},
+    )  # fmt: skip
+    assert r.model_extra["prompt_text"] == text and text.endswith("assistant\n")
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL, messages=question, max_tokens=2, stream=True, extra_body={"return_prompt_text": True}
+        )
+    )
+    assert chunks[0].model_extra["prompt_text"] == text
+    assert all("prompt_text" not in (c.model_extra or {}) for c in chunks[1:])
+    assert "prompt_text" not in (
+        client.chat.completions.create(model=MODEL, messages=question, max_tokens=1).model_extra or {}
+    )
+    # truncation_side "right" keeps the prompt's first tokens.
+    prompt = "one two three four five six seven eight"
+    ids = httpx.post(f"{server.url}/tokenize", json={"prompt": prompt}).json()["tokens"]
+    for side, kept in (("left", ids[-3:]), ("right", ids[:3])):
+        r = client.completions.create(
+            model=MODEL, prompt=prompt, max_tokens=1,
+            extra_body={"truncate_prompt_tokens": 3, "truncation_side": side, "return_token_ids": True},
+        )  # fmt: skip
+        assert r.choices[0].prompt_token_ids == kept
+    # A reply that loops ends at the loop, as vLLM's repetition_detection ends it.
+    detect = {"max_pattern_size": 4, "min_count": 3}
+    args = {"model": MODEL, "prompt": "1 1 1 1 1 1 1 1", "max_tokens": 40, "temperature": 0}
+    looping = client.completions.create(**args, extra_body={"ignore_eos": True})
+    assert looping.choices[0].finish_reason == "length"
+    r = client.completions.create(**args, extra_body={"ignore_eos": True, "repetition_detection": detect})
+    assert (
+        r.choices[0].finish_reason == "repetition"
+        and r.choices[0].model_extra["stop_reason"] == "repetition_detected"
+    )
+    assert r.usage.completion_tokens < 40 and looping.choices[0].text.startswith(r.choices[0].text)
+    bad = post(
+        server, "/v1/completions", json={"prompt": "Hi", "repetition_detection": {"max_pattern_size": 2}}
+    )
+    expect_error(bad, 400, "BadRequestError", "repetition_detection")
