@@ -97,6 +97,7 @@ SERVE_FLAGS: dict[str, tuple[str, str, dict]] = {
         "enable_request_id_headers",
         {"action": "store_true", "help": "an X-Request-Id header on every response"},
     ),
+    "--stream-interval": ("server", "stream_interval", {"type": int, "help": "tokens per streamed chunk"}),
     "--enable-prompt-tokens-details": (
         "server",
         "enable_prompt_tokens_details",

@@ -189,6 +189,10 @@ class ServerConfig(_Section):
     reasoning_parser: Literal["deepseek_r1", "qwen3"] | None = None
     # vLLM's: every response carries an X-Request-Id header, the request's own or a random one.
     enable_request_id_headers: bool = False
+    # vLLM's --stream-interval: a streamed choice's tokens gathered into chunks of this many (its first and
+    # last chunks go at once); fewer, larger chunks cost the server and the client less. A request's
+    # stream_interval may raise it.
+    stream_interval: Annotated[int, Meta(ge=1)] = 1
     # vLLM's: each usage also gives prompt_tokens_details.cached_tokens, the prompt tokens served from the
     # prefix cache.
     enable_prompt_tokens_details: bool = False

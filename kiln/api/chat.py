@@ -38,7 +38,7 @@ from kiln.api.serving import (
     start_all,
     token_text,
 )
-from kiln.api.streaming import ChoiceDelta, stream_response, usage, usage_asked
+from kiln.api.streaming import ChoiceDelta, every, stream_interval, stream_response, usage, usage_asked
 from kiln.api.tool_calls import ToolCallStream, forced_call_schema
 from kiln.api.tool_parser import PARSERS, HermesTools, Llama3JsonTools
 from kiln.engine.admission import MAX_LOGPROBS
@@ -90,7 +90,8 @@ async def create_chat_completion(
             usage_chunk = functools.partial(ChatCompletionChunk, id=rid, model=model)
             chunks = _Chunks(rid, model, k, calls, call_name, body, role, echo, reading, prompt_text)
             asked = usage_asked(body, server.enable_prompt_tokens_details)
-            return stream_response(merged(streams), 1, chunks, usage_chunk, asked)
+            outputs = every(merged(streams), stream_interval(body, server.stream_interval))
+            return stream_response(outputs, 1, chunks, usage_chunk, asked)
         outputs = await final_outputs(request, streams)
     if outputs is None:
         return None

@@ -27,7 +27,7 @@ from kiln.api.serving import (
     start_all,
     token_text,
 )
-from kiln.api.streaming import ChoiceDelta, stream_response, usage, usage_asked
+from kiln.api.streaming import ChoiceDelta, every, stream_interval, stream_response, usage, usage_asked
 from kiln.engine.async_engine import AsyncEngine
 from kiln.engine.output import CompletionOutput, RequestOutput
 from kiln.engine.request import PositionLogprobs
@@ -68,7 +68,8 @@ async def create_completion(
         if body.stream:
             usage_chunk = functools.partial(CompletionResponse, id=rid, model=model)
             chunks = functools.partial(_chunks, rid, model, body, texts, engine.tokenizer)
-            outputs = _without_completions(merged(streams)) if prompt_only else merged(streams)
+            outputs = every(merged(streams), stream_interval(body, inputs.limits.stream_interval))
+            outputs = _without_completions(outputs) if prompt_only else outputs
             return stream_response(outputs, body.n, chunks, usage_chunk, usage_asked(body, cached))
         finals = await final_outputs(request, streams)
     if finals is None:

@@ -4,7 +4,7 @@ responses are in kiln.api.responses."""
 
 from __future__ import annotations
 
-from typing import Any, Literal, Protocol
+from typing import Annotated, Any, Literal, Protocol
 
 import msgspec
 
@@ -48,6 +48,7 @@ class _SamplingRequest(_Strict):
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
+    stream_interval: Annotated[int, msgspec.Meta(ge=1)] | None = None  # tokens a chunk gathers (vLLM's)
     user: str | None = None  # informational, as are metadata and session_id
     session_id: str | None = None
     metadata: dict[str, str] | None = None

@@ -3,6 +3,7 @@ usage both report, streamed or whole."""
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -14,7 +15,7 @@ from starlette.responses import StreamingResponse
 from kiln.api.errors import as_api_error
 from kiln.api.protocol import _SamplingRequest
 from kiln.api.responses import PromptTokensDetails, Usage
-from kiln.engine.output import CompletionOutput, RequestOutput
+from kiln.engine.output import CompletionOutput, RequestOutput, merge
 
 _encoder = msgspec.json.Encoder()
 
@@ -42,6 +43,36 @@ def usage_asked(body: _SamplingRequest, cached: bool) -> UsageAsked:
     opts = body.stream_options
     final = opts is not None and opts.include_usage
     return UsageAsked(final, final and opts is not None and opts.continuous_usage_stats, cached)
+
+
+def stream_interval(body: _SamplingRequest, server: int) -> int:
+    """vLLM's: the request may raise the server's --stream-interval, not lower it."""
+    return max(server, body.stream_interval or 1)
+
+
+def every(
+    outputs: AsyncIterator[tuple[int, RequestOutput]], interval: int
+) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """vLLM's stream_interval: each prompt's outputs merged until they hold `interval` tokens; its first
+    and a finishing one go at once."""
+    return outputs if interval == 1 else _every(outputs, interval)
+
+
+async def _every(
+    outputs: AsyncIterator[tuple[int, RequestOutput]], interval: int
+) -> AsyncIterator[tuple[int, RequestOutput]]:
+    held: dict[int, list[RequestOutput]] = {}
+    tokens: dict[int, int] = {}
+    async with contextlib.aclosing(outputs):  # leaving early aborts what is unfinished, through merged()
+        async for i, out in outputs:
+            first = i not in held
+            waiting = held.setdefault(i, [])
+            waiting.append(out)
+            tokens[i] = tokens.get(i, 0) + sum(len(c.token_ids) for c in out.outputs)
+            if first or tokens[i] >= interval or out.finished or any(c.finished for c in out.outputs):
+                yield i, merge(waiting)
+                waiting.clear()
+                tokens[i] = 0
 
 
 def stream_response(

@@ -244,3 +244,24 @@ def test_prompt_text_truncation_side_repetition_and_session(server: Server) -> N
         server, "/v1/completions", json={"prompt": "Hi", "repetition_detection": {"max_pattern_size": 2}}
     )
     expect_error(bad, 400, "BadRequestError", "repetition_detection")
+
+
+def test_stream_interval_gathers_tokens_into_chunks(server: Server) -> None:
+    client = client_for(server)
+    args = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 10, "temperature": 0}
+    whole = client.completions.create(**args)
+
+    def chunk_tokens(**extra: object) -> tuple[list[int], str]:
+        body = {"ignore_eos": True, "return_token_ids": True, **extra}
+        chunks = list(client.completions.create(**args, stream=True, extra_body=body))
+        sizes = [len(c.choices[0].token_ids) for c in chunks if c.choices and c.choices[0].token_ids]
+        return sizes, "".join(c.choices[0].text for c in chunks if c.choices)
+
+    sizes, text = chunk_tokens(stream_interval=4)
+    assert text == whole.choices[0].text and sum(sizes) == 10
+    # The first chunk goes at once, the last when the choice ends; those between hold 4 tokens or more.
+    assert len(sizes) <= 4 and all(s >= 4 for s in sizes[1:-1])
+    sizes, text = chunk_tokens()
+    assert text == whole.choices[0].text and len(sizes) > 4
+    bad = post(server, "/v1/completions", json={"prompt": "Hi", "stream": True, "stream_interval": 0})
+    expect_error(bad, 400, "BadRequestError", "stream_interval")
