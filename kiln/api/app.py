@@ -30,6 +30,8 @@ from kiln.api.errors import APIError, as_api_error
 from kiln.api.inputs import Inputs
 from kiln.api.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from kiln.api.responses import DetokenizeResponse, ModelCard, ModelList, TokenizeResponse
+from kiln.api.responses_api import create_response
+from kiln.api.responses_protocol import ResponsesRequest
 from kiln.config import ServeConfig
 from kiln.engine.async_engine import AsyncEngine
 from kiln.version import VERSION
@@ -81,6 +83,7 @@ class App:
                     self._api(create_chat_completion, ChatCompletionRequest),
                     methods=post,
                 ),
+                Route("/v1/responses", self._api(create_response, ResponsesRequest), methods=post),
                 Route("/v1/models", self._api(self._models), methods=get),
                 Route("/tokenize", self._api(self._tokenize, TokenizeRequest), methods=post),
                 Route("/detokenize", self._api(self._detokenize, DetokenizeRequest), methods=post),

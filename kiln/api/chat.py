@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from msgspec import UNSET, UnsetType
@@ -38,7 +38,7 @@ from kiln.api.serving import (
     start_all,
     token_text,
 )
-from kiln.api.streaming import ChoiceDelta, every, stream_interval, stream_response, usage, usage_asked
+from kiln.api.streaming import ChoiceDelta, events, every, sse, stream_interval, usage, usage_asked
 from kiln.api.tool_calls import ToolCallStream, forced_call_schema
 from kiln.api.tool_parser import PARSERS, HermesTools, Llama3JsonTools
 from kiln.engine.admission import MAX_LOGPROBS
@@ -50,6 +50,15 @@ from kiln.sampling_params import truncate_prompt
 async def create_chat_completion(
     engine: AsyncEngine, inputs: Inputs, request: Request, body: ChatCompletionRequest
 ) -> ChatCompletionResponse | Response | None:
+    reply = await chat(engine, inputs, request, body, inputs.limits.enable_prompt_tokens_details)
+    return reply if reply is None or isinstance(reply, ChatCompletionResponse) else sse(reply)
+
+
+async def chat(
+    engine: AsyncEngine, inputs: Inputs, request: Request, body: ChatCompletionRequest, cached: bool
+) -> ChatCompletionResponse | AsyncIterator[ChatCompletionChunk] | None:
+    """The reply whole, or its chunks as they come (stream), or None if the client left. cached: usage
+    with prompt_tokens_details."""
     model = engine.model_name
     if body.top_logprobs is not None and not body.logprobs:
         raise APIError(400, "top_logprobs needs logprobs set to true", "top_logprobs")
@@ -89,9 +98,8 @@ async def create_chat_completion(
         if body.stream:
             usage_chunk = functools.partial(ChatCompletionChunk, id=rid, model=model)
             chunks = _Chunks(rid, model, k, calls, call_name, body, role, echo, reading, prompt_text)
-            asked = usage_asked(body, server.enable_prompt_tokens_details)
             outputs = every(merged(streams), stream_interval(body, server.stream_interval))
-            return stream_response(outputs, 1, chunks, usage_chunk, asked)
+            return events(outputs, 1, chunks, usage_chunk, usage_asked(body, cached))
         outputs = await final_outputs(request, streams)
     if outputs is None:
         return None
@@ -119,7 +127,7 @@ async def create_chat_completion(
         id=rid,
         model=model,
         choices=choices,
-        usage=usage(outputs, server.enable_prompt_tokens_details),
+        usage=usage(outputs, cached),
         prompt_logprobs=prompt_logprobs(out, body.prompt_logprobs),
         prompt_token_ids=ids_if(body.return_token_ids, out.prompt_token_ids),
         prompt_text=prompt_text,

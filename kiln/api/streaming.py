@@ -82,19 +82,19 @@ def stream_response(
     usage_chunk: Callable[..., msgspec.Struct],
     asked: UsageAsked,
 ) -> StreamingResponse:
-    """What both endpoints stream: each engine output (from `merged`) as the endpoint's chunks of choice
-    deltas; then, if asked, one chunk without choices (usage_chunk: the endpoint's chunk type) with the
-    usage."""
-    return _sse(_events(outputs, n, chunks, usage_chunk, asked))
+    """What both endpoints stream: their chunks (`events`) as server-sent events."""
+    return sse(events(outputs, n, chunks, usage_chunk, asked))
 
 
-async def _events(
+async def events(
     outputs: AsyncIterator[tuple[int, RequestOutput]],
     n: int,
     chunks: Callable[[list[ChoiceDelta]], list[Any]],
     usage_chunk: Callable[..., msgspec.Struct],
     asked: UsageAsked,
-) -> AsyncIterator[msgspec.Struct]:
+) -> AsyncIterator[Any]:
+    """Each engine output (from `merged`) as the endpoint's chunks of choice deltas; then, if asked, one
+    chunk without choices (usage_chunk: the endpoint's chunk type) with the usage."""
     sent: dict[int, int] = {}  # choice index -> characters sent
     prompts: dict[int, RequestOutput] = {}  # each prompt's latest output
     completion_tokens = 0
@@ -128,7 +128,7 @@ def usage(outputs: list[RequestOutput], cached: bool) -> Usage:
     return _usage(outputs, sum(len(c.token_ids) for o in outputs for c in o.outputs), cached)
 
 
-def _sse(events: AsyncIterator[msgspec.Struct]) -> StreamingResponse:
+def sse(events: AsyncIterator[msgspec.Struct]) -> StreamingResponse:
     """Server-sent events ending in `data: [DONE]`; an error mid-stream becomes an error event first."""
 
     async def body() -> AsyncIterator[bytes]:
