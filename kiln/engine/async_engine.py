@@ -53,8 +53,10 @@ class RequestStream:
 
     request_id: str
     engine: AsyncEngine
+    params: SamplingParams
     queue: asyncio.Queue[RequestOutput | BaseException] = field(default_factory=asyncio.Queue)
     arrival: float = field(default_factory=time.monotonic)
+    first_token_at: float = 0.0
     last_token_at: float = 0.0
     num_tokens: int = 0
     finished: bool = False
@@ -117,7 +119,7 @@ class AsyncEngine:
         self.eos_token_ids = frozenset(self.engine.eos_token_ids)
         self.model_path = self.engine.model_path
         self.timings = self.engine.timings
-        self.metrics = Metrics(model_name, self.engine.stats)
+        self.metrics = Metrics(model_name, self.engine.stats, self.max_model_len)
         return self
 
     @property
@@ -141,7 +143,7 @@ class AsyncEngine:
         self.admission.check_options(priority, cache_salt)
         self.admission.check_params(params)
         self.admission.check_prompt(prompt_ids)
-        stream = RequestStream(request_id, self)
+        stream = RequestStream(request_id, self, params)
         self._streams[request_id] = stream
         self._commands.put(_Add(request_id, prompt_ids, params, priority, cache_salt))
         return stream
@@ -228,6 +230,7 @@ class AsyncEngine:
                 if stream.num_tokens == 0:
                     m.ttft.observe(now - stream.arrival)
                     m.prompt_tokens.inc(len(out.prompt_token_ids))
+                    stream.first_token_at = now
                 else:
                     m.itl.observe(now - stream.last_token_at)
                 m.generation_tokens.inc(new_tokens)
@@ -239,7 +242,23 @@ class AsyncEngine:
             if out.finished:
                 del self._streams[out.request_id]
                 m.e2e.observe(now - stream.arrival)
+                self._observe_request(stream, out, now)
             stream.queue.put_nowait(out)
+
+    def _observe_request(self, stream: RequestStream, out: RequestOutput, now: float) -> None:
+        """A finished request's phases (the engine's clock is the loop's: time.monotonic) and sizes."""
+        m = self.metrics
+        if out.scheduled_at:  # (an abort may come before it was ever scheduled)
+            m.queue_time.observe(out.scheduled_at - stream.arrival)
+            m.inference_time.observe(now - out.scheduled_at)
+            if stream.first_token_at:
+                m.prefill_time.observe(stream.first_token_at - out.scheduled_at)
+                m.decode_time.observe(now - stream.first_token_at)
+        m.prompt_len.observe(len(out.prompt_token_ids))
+        m.output_len.observe(stream.num_tokens)
+        m.n.observe(stream.params.n)
+        if stream.params.max_tokens is not None:
+            m.max_tokens.observe(stream.params.max_tokens)
 
     def _fail(self, request_id: str, error: BaseException) -> None:
         stream = self._streams.pop(request_id, None)

@@ -15,6 +15,18 @@ from kiln.engine.grammar import COMPILE_BUCKETS
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1, 2.5, 5, 10, 20, 40, 80)
 ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1, 2.5, 5, 10, 20, 40)
 E2E_BUCKETS = (0.3, 0.5, 0.8, 1, 1.5, 2, 2.5, 5, 10, 15, 20, 30, 40, 50, 60, 120, 240, 480, 960, 1920)
+N_BUCKETS = (1, 2, 5, 10, 20)
+
+
+def tokens_buckets(max_model_len: int) -> tuple[float, ...]:
+    """vLLM's 1-2-5 buckets for token counts: 1, 2, 5, 10, 20, 50, ... up to max_model_len."""
+    out: list[float] = []
+    for scale in itertools.count():
+        for step in (1, 2, 5):
+            if step * 10**scale > max_model_len:
+                return tuple(out)
+            out.append(step * 10**scale)
+    raise AssertionError  # itertools.count never ends
 
 
 class _EngineState(Collector):
@@ -60,7 +72,7 @@ class _EngineState(Collector):
 
 
 class Metrics:
-    def __init__(self, model_name: str, stats: Callable[[], dict[str, Any]]) -> None:
+    def __init__(self, model_name: str, stats: Callable[[], dict[str, Any]], max_model_len: int) -> None:
         self.registry = CollectorRegistry()
         self.registry.register(_EngineState(model_name, stats))
         labels = ["model_name"]
@@ -70,6 +82,9 @@ class Metrics:
 
         def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
             return Histogram(f"kiln:{name}", doc, labels, buckets=buckets, registry=self.registry)
+
+        def per_request(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return histogram(f"request_{name}", doc, buckets).labels(model_name)
 
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens processed.").labels(model_name)
         self.generation_tokens = counter("generation_tokens", "Tokens generated.").labels(model_name)
@@ -83,6 +98,16 @@ class Metrics:
         self.e2e = histogram("e2e_request_latency_seconds", "Arrival to finish.", E2E_BUCKETS).labels(
             model_name
         )
+        # Each finished request's phases and sizes, as vLLM's dashboards read them.
+        tokens, seconds = tokens_buckets(max_model_len), E2E_BUCKETS
+        self.queue_time = per_request("queue_time_seconds", "Arrival to first scheduled.", seconds)
+        self.prefill_time = per_request("prefill_time_seconds", "First scheduled to first token.", seconds)
+        self.decode_time = per_request("decode_time_seconds", "First token to finish.", seconds)
+        self.inference_time = per_request("inference_time_seconds", "First scheduled to finish.", seconds)
+        self.prompt_len = per_request("prompt_tokens", "Prompt tokens of a request.", tokens)
+        self.output_len = per_request("generation_tokens", "Tokens a request generated.", tokens)
+        self.n = per_request("params_n", "A request's n.", N_BUCKETS)
+        self.max_tokens = per_request("params_max_tokens", "A request's max_tokens.", tokens)
         self.model_name = model_name
 
     def finished(self, reason: str) -> None:

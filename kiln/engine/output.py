@@ -43,6 +43,7 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     num_cached_tokens: int = 0
+    scheduled_at: float = 0.0  # time.monotonic() when first scheduled (0: not yet)
 
 
 def merge(deltas: list[RequestOutput]) -> RequestOutput:
@@ -72,7 +73,7 @@ def merge(deltas: list[RequestOutput]) -> RequestOutput:
     prompt_logprobs = next((d.prompt_logprobs for d in deltas if d.prompt_logprobs is not None), None)
     return RequestOutput(
         first.request_id, first.prompt, first.prompt_token_ids, prompt_logprobs, outputs, last.finished,
-        last.num_cached_tokens,
+        last.num_cached_tokens, last.scheduled_at,
     )  # fmt: skip
 
 
@@ -105,6 +106,7 @@ class Parent:
             ],
             finished=self.finished,
             num_cached_tokens=max(0, first.num_cached_tokens),
+            scheduled_at=first.scheduled_at,
         )
 
 

@@ -55,6 +55,7 @@ class Request:
     num_computed_tokens: int = 0
     num_pending: int = 0
     num_cached_tokens: int = -1  # prompt tokens served from the prefix cache at first admission
+    scheduled_at: float = 0.0  # time.monotonic() at first admission (0: still waiting)
     # Appended to, or replaced by a new list; never changed in place (StepBuffers.set_blocks relies on it).
     block_ids: list[int] = field(default_factory=list)
     block_hashes: list[bytes] = field(default_factory=list)

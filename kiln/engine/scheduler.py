@@ -9,6 +9,7 @@ from __future__ import annotations
 import bisect
 import itertools
 import logging
+import time
 from collections import deque
 from dataclasses import dataclass
 
@@ -111,6 +112,7 @@ class Scheduler:
             self.waiting.popleft()
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = req.num_computed_tokens
+                req.scheduled_at = time.monotonic()
             req.status = Status.RUNNING
             self.running.append(req)
             batch.requests.append(req)

@@ -386,13 +386,39 @@ def metric(server: Server, name: str, **labels: str) -> float:
 
 
 def test_metrics(client: openai.OpenAI, server: Server) -> None:
-    client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=4)
+    for _ in range(2):
+        client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=4)
     text = httpx.get(f"{server.url}/metrics").text
     for name in METRICS:
         assert re.search(rf"^{re.escape(name)}{{.*model_name=\"{re.escape(MODEL)}\".*}} ", text, re.M), name
     assert metric(server, "kiln:generation_tokens_total") >= 4
     assert metric(server, "kiln:prefix_cache_hits_total") > 0  # the chat template's system prompt repeats
     assert metric(server, "kiln:e2e_request_latency_seconds_count") >= 1
+
+
+PHASES = ["queue_time", "prefill_time", "decode_time", "inference_time"]
+SIZES = ["prompt_tokens", "generation_tokens", "params_n", "params_max_tokens"]
+
+
+def test_request_phase_metrics(client: openai.OpenAI, server: Server) -> None:
+    """vLLM's per-request histograms: a request's queue, prefill and decode times add up to its latency,
+    and its sizes are counted once."""
+    names = [f"kiln:request_{p}_seconds" for p in PHASES] + [f"kiln:request_{s}" for s in SIZES]
+    names.append("kiln:e2e_request_latency_seconds")
+    before = {n: (metric(server, f"{n}_count"), metric(server, f"{n}_sum")) for n in names}
+    r = client.completions.create(
+        model=MODEL, prompt="Count: 1, 2, 3,", max_tokens=5, n=2, extra_body={"ignore_eos": True}
+    )
+    after = {n: (metric(server, f"{n}_count"), metric(server, f"{n}_sum")) for n in names}
+    count = {n: after[n][0] - before[n][0] for n in names}
+    total = {n: after[n][1] - before[n][1] for n in names}
+    assert all(c == 1 for c in count.values()), count
+    assert total["kiln:request_prompt_tokens"] == r.usage.prompt_tokens
+    assert total["kiln:request_generation_tokens"] == 10
+    assert (total["kiln:request_params_n"], total["kiln:request_params_max_tokens"]) == (2, 5)
+    queue, prefill, decode, inference = (total[f"kiln:request_{p}_seconds"] for p in PHASES)
+    assert min(queue, prefill, decode) >= 0 and inference == pytest.approx(prefill + decode, abs=1e-6)
+    assert queue + inference <= total["kiln:e2e_request_latency_seconds"] + 1e-6
 
 
 def test_concurrent_streams_with_early_close(server: Server) -> None:
