@@ -28,7 +28,12 @@ from kiln.api.chat import create_chat_completion
 from kiln.api.completions import create_completion
 from kiln.api.errors import APIError, as_api_error
 from kiln.api.inputs import Inputs
-from kiln.api.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from kiln.api.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
 from kiln.api.responses import DetokenizeResponse, ModelCard, ModelList, TokenizeResponse
 from kiln.api.responses_api import create_response
 from kiln.api.responses_protocol import ResponsesRequest
@@ -88,6 +93,8 @@ class App:
                 Route("/tokenize", self._api(self._tokenize, TokenizeRequest), methods=post),
                 Route("/detokenize", self._api(self._detokenize, DetokenizeRequest), methods=post),
                 Route("/health", self._health, methods=get),
+                Route("/ping", self._health, methods=["GET", "POST"]),  # SageMaker's, as vLLM
+                Route("/invocations", self._api(self._invocations, msgspec.Raw), methods=post),
                 Route("/metrics", self._metrics, methods=get),
                 Route("/version", self._version, methods=get),
             ],
@@ -217,7 +224,7 @@ class App:
     def _api(self, handler: Handler, kind: type | None = None) -> Callable[[Request], Awaitable[Response]]:
         async def endpoint(request: Request) -> Response:
             try:
-                if request.url.path.startswith("/v1/"):
+                if request.url.path.startswith("/v1/") or request.url.path == "/invocations":
                     self._authorize(request)
                 engine, shared = self._ready()
                 data = await self._body(request) if kind is not None else b""
@@ -243,6 +250,27 @@ class App:
 
     # -- small endpoints ------------------------------------------------------------------------
 
+    async def _invocations(
+        self, engine: AsyncEngine, inputs: Inputs, request: Request, raw: msgspec.Raw
+    ) -> Any:
+        """SageMaker's (vLLM's): a chat body (messages), a completion (prompt) or a response (input),
+        each to its endpoint."""
+        data = bytes(raw)
+        try:  # the top level's keys only: its values stay raw, unparsed
+            keys = msgspec.json.decode(data, type=dict[str, msgspec.Raw])
+        except msgspec.ValidationError:
+            raise APIError(400, "an invocation's body must be a JSON object") from None
+        for key, handler, kind in (
+            ("messages", create_chat_completion, ChatCompletionRequest),
+            ("prompt", create_completion, CompletionRequest),
+            ("input", create_response, ResponsesRequest),
+        ):
+            if key in keys:
+                body = await inputs.parse(data, kind)
+                self._check_model(body)
+                return await handler(engine, inputs, request, body)
+        raise APIError(400, "an invocation needs messages (chat), prompt (completions) or input (responses)")
+
     async def _models(self, engine: AsyncEngine, inputs: Inputs, request: Request, body: None) -> ModelList:
         root = str(engine.model_path)
         return ModelList([ModelCard(id=self.model_name, root=root, max_model_len=engine.max_model_len)])
@@ -256,7 +284,12 @@ class App:
             ids = await inputs.tokenize(body.prompt, body.add_special_tokens is not False)
         else:
             raise APIError(400, "give exactly one of prompt and messages", "prompt")
-        return TokenizeResponse(len(ids), engine.max_model_len, ids)
+        strs = (
+            await inputs.run(inputs.tokenizer.convert_ids_to_tokens, ids)
+            if body.return_token_strs
+            else msgspec.UNSET
+        )
+        return TokenizeResponse(len(ids), engine.max_model_len, ids, strs)
 
     async def _detokenize(
         self, engine: AsyncEngine, inputs: Inputs, request: Request, body: DetokenizeRequest

@@ -175,6 +175,7 @@ class TokenizeRequest(msgspec.Struct, kw_only=True):
     chat_template_kwargs: dict[str, Any] | None = None
     reasoning_effort: ReasoningEffort | None = None
     documents: list[dict[str, str]] | None = None
+    return_token_strs: bool = False
 
 
 class DetokenizeRequest(msgspec.Struct, kw_only=True):

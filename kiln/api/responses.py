@@ -160,6 +160,7 @@ class TokenizeResponse(msgspec.Struct):
     count: int
     max_model_len: int
     tokens: list[int]
+    token_strs: list[str] | UnsetType = UNSET  # vLLM's return_token_strs: each token as the vocabulary has it
 
 
 class DetokenizeResponse(msgspec.Struct):

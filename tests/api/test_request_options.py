@@ -265,3 +265,20 @@ def test_stream_interval_gathers_tokens_into_chunks(server: Server) -> None:
     assert text == whole.choices[0].text and len(sizes) > 4
     bad = post(server, "/v1/completions", json={"prompt": "Hi", "stream": True, "stream_interval": 0})
     expect_error(bad, 400, "BadRequestError", "stream_interval")
+
+
+def test_sagemaker_routes_and_token_strings(server: Server) -> None:
+    """vLLM's /ping and /invocations (which routes a body by its kind), and /tokenize's token_strs."""
+    for method in ("GET", "POST"):
+        assert httpx.request(method, f"{server.url}/ping").status_code == 200
+    chat = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+    for body, kind in ((chat, "chat.completion"), ({"prompt": "Hi", "max_tokens": 2}, "text_completion"),
+                       ({"input": "Hi", "max_output_tokens": 2}, "response")):  # fmt: skip
+        r = post(server, "/invocations", json=body)
+        assert r.status_code == 200 and r.json()["object"] == kind, r.text
+    expect_error(post(server, "/invocations", json={"max_tokens": 2}), 400, "BadRequestError")
+    expect_error(post(server, "/invocations", json={**chat, "n": 0}), 400, "BadRequestError", "n")
+    assert httpx.post(f"{server.url}/invocations", json=chat).status_code == 401  # the API key, as /v1
+    r = httpx.post(f"{server.url}/tokenize", json={"prompt": "Hello world", "return_token_strs": True}).json()
+    assert r["token_strs"] == ["Hello", "Ġworld"] and len(r["tokens"]) == 2
+    assert "token_strs" not in httpx.post(f"{server.url}/tokenize", json={"prompt": "Hi"}).json()
