@@ -46,7 +46,7 @@ def run_offline(config: EngineConfig, spec: Spec, label: str) -> Result:
             while queue and len(live) < limit and queue[0][0] <= now - start:
                 _, p = queue.popleft()
                 rid = f"perf-{next(ids)}"
-                prompt_ids = engine.tokenize(p.prompt)
+                prompt_ids = engine.admission.tokenize(p.prompt)
                 record = RequestRecord(prompt_tokens=len(prompt_ids))
                 records.append(record)
                 params = SamplingParams(
