@@ -73,6 +73,12 @@ SERVE_FLAGS: dict[str, tuple[str, str, dict]] = {
     "--dtype": ("model", "dtype", {"choices": ["auto", "float32", "bfloat16", "float16"]}),
     "--device": ("model", "device", {}),
     "--seed": ("model", "seed", {"type": int}),
+    "--generation-config": ("model", "generation_config", {"help": "auto, vllm, or a folder"}),
+    "--override-generation-config": (
+        "model",
+        "override_generation_config",
+        {"type": json.loads, "metavar": "JSON", "help": "laid over the generation config"},
+    ),
     "--drain-timeout": ("server", "drain_timeout", {"type": float, "help": "seconds SIGTERM waits"}),
     "--gpu-memory-utilization": ("cache", "gpu_memory_utilization", {"type": float}),
     "--tensor-parallel-size": ("parallel", "tensor_parallel_size", {"type": int}),

@@ -21,6 +21,11 @@ class ModelConfig(_Section):
     max_model_len: Annotated[int, Meta(ge=2)] | None = None  # defaults to the model's max_position_embeddings
     seed: int = 0
     device: str = "auto"  # auto: the GPU where there is one, else the CPU
+    # vLLM's: where the sampling defaults of a request that leaves a field unset come from. auto: the model
+    # folder's generation_config.json (its temperature, top_p, top_k, min_p, penalties, max_new_tokens as
+    # max_tokens); vllm: none (OpenAI's defaults); else a folder holding a generation_config.json.
+    generation_config: str = "auto"
+    override_generation_config: dict[str, Any] | None = None  # laid over it, e.g. {"temperature": 0.5}
 
 
 class CacheConfig(_Section):

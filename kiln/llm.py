@@ -39,7 +39,7 @@ class LLM:
         with an optional "cache_salt"); outputs keep their order. priority: one per prompt, smaller first
         (the engine's scheduler.policy must be "priority")."""
         batch = _as_batch(prompts)
-        params = _params_for(batch, sampling_params)
+        params = _params_for(batch, sampling_params, self.engine.sampling_defaults)
         if priority is not None and len(priority) != len(batch):
             raise ValueError(f"got {len(priority)} priorities for {len(batch)} prompts")
         ids = [f"offline-{next(self._ids)}" for _ in batch]
@@ -163,10 +163,11 @@ def _prompt(p: Prompt) -> tuple[str | list[int], str | None]:
 
 
 def _params_for(
-    batch: list[Any], params: SamplingParams | Sequence[SamplingParams] | None
+    batch: list[Any], params: SamplingParams | Sequence[SamplingParams] | None, defaults: dict[str, Any]
 ) -> list[SamplingParams]:
+    """None: the model's recommended sampling (its generation config), as vLLM's LLM."""
     if params is None:
-        return [SamplingParams()] * len(batch)
+        return [SamplingParams(**defaults)] * len(batch)
     if isinstance(params, SamplingParams):
         return [params] * len(batch)
     if len(params) != len(batch):

@@ -89,3 +89,57 @@ def test_serve_port_in_use_is_a_clear_error(capsys: pytest.CaptureFixture) -> No
     err = capsys.readouterr().err
     assert f"error: cannot listen on 127.0.0.1:{port}: Address already in use" in err
     assert "Traceback" not in err
+
+
+def test_sampling_defaults_come_from_the_generation_config(tmp_path: Path) -> None:
+    """As vLLM reads them: the generation config's sampling fields (not do_sample), with the override laid
+    over them; max_new_tokens is max_tokens."""
+    import json
+
+    from kiln.config import EngineConfig
+    from kiln.engine.tokenizer import sampling_defaults
+
+    config = {
+        "temperature": 0.6,
+        "top_p": 0.9,
+        "repetition_penalty": 1.0,
+        "max_new_tokens": 7,
+        "do_sample": True,
+    }
+    (tmp_path / "generation_config.json").write_text(json.dumps(config))
+    assert sampling_defaults(EngineConfig.from_options(str(tmp_path)), tmp_path) == {
+        "temperature": 0.6,
+        "top_p": 0.9,
+        "max_tokens": 7,
+    }
+    assert (
+        sampling_defaults(EngineConfig.from_options(str(tmp_path), generation_config="vllm"), tmp_path) == {}
+    )
+    override = EngineConfig.from_options(str(tmp_path), override_generation_config={"temperature": 0.2})
+    assert sampling_defaults(override, tmp_path)["temperature"] == 0.2
+    elsewhere = EngineConfig.from_options(str(tmp_path), generation_config=str(tmp_path / "missing"))
+    with pytest.raises(ValueError, match=r"^model.generation_config: no generation_config.json"):
+        sampling_defaults(elsewhere, tmp_path)
+    assert sampling_defaults(EngineConfig.from_options(str(tmp_path)), tmp_path / "missing") == {}
+
+
+def test_unset_request_fields_take_the_model_defaults() -> None:
+    import msgspec
+
+    from kiln.api.protocol import ChatCompletionRequest
+    from kiln.api.serving import sampling_params
+
+    defaults = {"temperature": 0.6, "top_k": 20, "presence_penalty": 0.5, "max_tokens": 7}
+
+    def params(**fields: object) -> object:
+        body = msgspec.convert(
+            {"messages": [{"role": "user", "content": "Hi"}], **fields}, ChatCompletionRequest
+        )
+        return sampling_params(body, 10, 100, body.max_tokens, None, defaults=defaults)
+
+    p = params()
+    assert (p.temperature, p.top_k, p.presence_penalty, p.max_tokens, p.top_p) == (0.6, 20, 0.5, 7, 1.0)
+    p = params(temperature=0.0, presence_penalty=0.0, max_tokens=3)
+    assert (p.temperature, p.presence_penalty, p.max_tokens) == (0.0, 0.0, 3)
+    assert sampling_params(msgspec.convert({"messages": []}, ChatCompletionRequest), 98, 100, None, None,
+                           defaults=defaults).max_tokens == 2  # fmt: skip

@@ -85,7 +85,16 @@ async def chat(
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     side = body.truncation_side or "left"
     ids = truncate_prompt(ids, body.truncate_prompt_tokens, max_tokens, engine.max_model_len, side)
-    params = sampling_params(body, len(ids), engine.max_model_len, max_tokens, k, body.prompt_logprobs, so)
+    params = sampling_params(
+        body,
+        len(ids),
+        engine.max_model_len,
+        max_tokens,
+        k,
+        body.prompt_logprobs,
+        so,
+        engine.sampling_defaults,
+    )
     prompt_text = await inputs.detokenize(ids) if body.return_prompt_text else UNSET
     rid = response_id("chatcmpl", request, body)
     # A forced call's JSON is constrained from the first token: there is no thinking to set apart.

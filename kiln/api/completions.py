@@ -55,7 +55,14 @@ async def create_completion(
     so = await constraint(engine, inputs, body)
     params = [
         sampling_params(
-            body, len(p.ids), engine.max_model_len, max_tokens, body.logprobs, max(scored, default=None), so
+            body,
+            len(p.ids),
+            engine.max_model_len,
+            max_tokens,
+            body.logprobs,
+            max(scored, default=None),
+            so,
+            engine.sampling_defaults,
         )
         for p in prompts
     ]

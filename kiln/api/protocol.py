@@ -41,8 +41,8 @@ class _SamplingRequest(_Strict):
     n: int = 1
     temperature: float | None = None
     top_p: float | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
     seed: int | None = None
     stop: str | list[str] | None = None

@@ -76,8 +76,8 @@ class ResponsesRequest(_Strict):
     top_k: int | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
     seed: int | None = None
     stop: str | list[str] | None = None

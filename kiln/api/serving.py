@@ -26,6 +26,11 @@ log = logging.getLogger(__name__)
 
 _encoder = msgspec.json.Encoder()
 
+# The sampling fields a request may leave unset for the model's generation config to set.
+_DEFAULTED = (
+    "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty",
+)  # fmt: skip
+
 
 def sampling_params(
     body: _SamplingRequest,
@@ -35,10 +40,12 @@ def sampling_params(
     logprobs: int | None,
     prompt_logprobs: int | None = None,
     structured_outputs: StructuredOutputsParams | None = None,
+    defaults: dict[str, Any] | None = None,
 ) -> SamplingParams:
-    """OpenAI fields (None means the OpenAI default) to SamplingParams; a prompt plus max_tokens that
-    would not fit in the model's context is a 400, as in vLLM. The prompt comes truncated already
-    (truncate_prompt_tokens)."""
+    """OpenAI fields to SamplingParams; a field left unset (None) takes the model's default (defaults: its
+    generation config's, as vLLM), else OpenAI's. A prompt plus max_tokens that would not fit in the
+    model's context is a 400, as in vLLM. The prompt comes truncated already (truncate_prompt_tokens)."""
+    defaults = defaults or {}
     room = max_model_len - prompt_len
     if max_tokens is not None and max_tokens > room:
         raise APIError(
@@ -56,19 +63,16 @@ def sampling_params(
             raise APIError(400, "logit_bias keys must be token ids", "logit_bias") from None
     stop = [body.stop] if isinstance(body.stop, str) else body.stop or []
     optional = {
-        "temperature": body.temperature,
-        "top_p": body.top_p,
-        "top_k": body.top_k,
-        "min_p": body.min_p,
-        "repetition_penalty": body.repetition_penalty,
+        name: value if (value := getattr(body, name)) is not None else defaults.get(name)
+        for name in _DEFAULTED
     }
+    if max_tokens is None:
+        max_tokens = min(defaults.get("max_tokens", room), room)
     return SamplingParams(
         n=body.n,
-        presence_penalty=body.presence_penalty,
-        frequency_penalty=body.frequency_penalty,
         logit_bias=bias,
         seed=body.seed,
-        max_tokens=max_tokens if max_tokens is not None else max(room, 1),
+        max_tokens=max(max_tokens, 1),
         min_tokens=body.min_tokens,
         stop=stop,
         stop_token_ids=body.stop_token_ids or [],

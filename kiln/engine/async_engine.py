@@ -92,6 +92,7 @@ class AsyncEngine:
     max_model_len: int
     vocab_size: int
     eos_token_ids: frozenset[int]
+    sampling_defaults: dict[str, Any]  # the model's generation config, for fields a request leaves unset
     admission: Admission  # the engine's checks, with the event loop's tokenizer
     model_path: Path
     timings: dict[str, float]  # start-up, by part
@@ -117,6 +118,7 @@ class AsyncEngine:
         self.max_model_len = self.engine.max_model_len
         self.vocab_size = self.engine.model.dims.vocab_size
         self.eos_token_ids = frozenset(self.engine.eos_token_ids)
+        self.sampling_defaults = self.engine.sampling_defaults
         self.model_path = self.engine.model_path
         self.timings = self.engine.timings
         self.metrics = Metrics(model_name, self.engine.stats, self.max_model_len)

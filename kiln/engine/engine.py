@@ -24,7 +24,7 @@ from kiln.engine.output import OutputProcessor, Parent, RequestOutput
 from kiln.engine.runner import ModelRunner
 from kiln.engine.scheduler import ScheduledBatch, Scheduler
 from kiln.engine.step_result import StepResult
-from kiln.engine.tokenizer import eos_token_ids, load_tokenizer
+from kiln.engine.tokenizer import eos_token_ids, load_tokenizer, sampling_defaults
 from kiln.models.loader import inspect_model, load_model, resolve_model
 from kiln.ops.backend import choose_backend
 from kiln.ops.cpu import threads
@@ -90,6 +90,13 @@ class LLMEngine:
         clock = time.perf_counter()
         self.model_path = path
         self.eos_token_ids = eos_token_ids(self.tokenizer, path)
+        self.sampling_defaults = sampling_defaults(config, path)
+        if self.sampling_defaults:
+            log.info(
+                "requests that leave them unset get the model's recommended sampling (its generation "
+                "config): %s; --generation-config vllm turns this off",
+                self.sampling_defaults,
+            )
         self.grammars = Grammars(lambda: load_tokenizer(config, path), dims.vocab_size, self.eos_token_ids)
         self.runner = ModelRunner(self.model, config, self.max_model_len, self.backend, self.grammars)
         self.admission = Admission(

@@ -370,6 +370,19 @@ def test_priority_orders_the_queue(default_model_dir: Path) -> None:
     assert [o.prompt for o in outs] == ["Hi", "Hello"]  # outputs keep the prompts' order
 
 
+def test_the_model_s_sampling_defaults(default_model_dir: Path, roomy: LLM) -> None:
+    """As vLLM's LLM: without params, a request samples as the model's generation config recommends
+    (here an override of it: greedy, 5 tokens)."""
+    override = {"temperature": 0.0, "max_new_tokens": 5}
+    llm = LLM(str(default_model_dir), enforce_eager=True, override_generation_config=override, **ROOMY)
+    assert llm.engine.sampling_defaults == {"temperature": 0.0, "max_tokens": 5}
+    [out] = gen(llm, ["The capital of France is"])
+    assert (
+        out.outputs[0].token_ids
+        == one(roomy, "The capital of France is", SamplingParams(temperature=0, max_tokens=5)).token_ids
+    )
+
+
 def test_bad_allowed_ids_and_bad_words_are_rejected_up_front(clean_roomy: LLM) -> None:
     with pytest.raises(ValueError, match=r"^allowed_token_ids must not be empty"):
         SamplingParams(allowed_token_ids=[])
