@@ -172,7 +172,7 @@ _SECTIONS: dict[str, type[_Section]] = {
 class ServerConfig(_Section):
     host: str = "127.0.0.1"
     port: Annotated[int, Meta(ge=0, le=65535)] = 8000
-    api_key: str | None = None  # when set, /v1/* needs "Authorization: Bearer <api_key>"
+    api_key: str | list[str] | None = None  # when set, /v1/* needs "Authorization: Bearer <one of them>"
     served_model_name: str | None = None  # defaults to the model's name
     drain_timeout: Annotated[float, Meta(ge=0)] = 30.0  # seconds SIGTERM waits for requests in flight
     max_request_bytes: Annotated[int, Meta(ge=1024)] = 16 * 2**20  # larger bodies get 413
@@ -194,6 +194,14 @@ class ServerConfig(_Section):
     reasoning_parser: Literal["deepseek_r1", "qwen3"] | None = None
     # vLLM's: every response carries an X-Request-Id header, the request's own or a random one.
     enable_request_id_headers: bool = False
+    # vLLM's CORS: browsers on these origins may call the server (none by default, as vLLM; "*": any).
+    allowed_origins: list[str] = msgspec.field(default_factory=list)
+    allowed_methods: list[str] = msgspec.field(default_factory=lambda: ["*"])
+    allowed_headers: list[str] = msgspec.field(default_factory=lambda: ["*"])
+    allow_credentials: bool = False
+    # Paths whose requests the access log leaves out, e.g. ["/health", "/metrics"] (vLLM's
+    # --disable-access-log-for-endpoints).
+    disable_access_log_for_endpoints: list[str] = msgspec.field(default_factory=list)
     # vLLM's --stream-interval: a streamed choice's tokens gathered into chunks of this many (its first and
     # last chunks go at once); fewer, larger chunks cost the server and the client less. A request's
     # stream_interval may raise it.
@@ -201,6 +209,10 @@ class ServerConfig(_Section):
     # vLLM's: each usage also gives prompt_tokens_details.cached_tokens, the prompt tokens served from the
     # prefix cache.
     enable_prompt_tokens_details: bool = False
+
+    @property
+    def api_keys(self) -> list[str]:
+        return [self.api_key] if isinstance(self.api_key, str) else self.api_key or []
 
     def __post_init__(self) -> None:
         if self.enable_auto_tool_choice and self.tool_call_parser is None:

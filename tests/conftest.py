@@ -38,6 +38,8 @@ def default_model_dir() -> Path:
 
 
 MAX_MODEL_LEN = 512
+SECOND_KEY = "second-key"  # tiny_server takes two API keys
+ALLOWED_ORIGIN = "https://ui.example"  # and browsers on this origin (CORS)
 MAX_REQUEST_BYTES = 65536
 
 # The default model with small limits, so that "too long" and "too large" are cheap to reach. Its dtype is
@@ -76,7 +78,9 @@ def tiny_server(tmp_path_factory: pytest.TempPathFactory, default_model_dir: Pat
         "compile": {"mode": "eager"},
         # tool_choice "auto" read as hermes, thinking as qwen3: their tests force the text by a constraint.
         "server": {
-            "api_key": API_KEY,
+            "api_key": [API_KEY, SECOND_KEY],
+            "allowed_origins": [ALLOWED_ORIGIN],
+            "disable_access_log_for_endpoints": ["/health", "/metrics"],
             "enable_auto_tool_choice": True,
             "tool_call_parser": "hermes",
             "reasoning_parser": "qwen3",

@@ -143,3 +143,28 @@ def test_unset_request_fields_take_the_model_defaults() -> None:
     assert (p.temperature, p.presence_penalty, p.max_tokens) == (0.0, 0.0, 3)
     assert sampling_params(msgspec.convert({"messages": []}, ChatCompletionRequest), 98, 100, None, None,
                            defaults=defaults).max_tokens == 2  # fmt: skip
+
+
+def test_vllm_server_flags_parse_as_vllm_writes_them() -> None:
+    from kiln.cli import _load_config, build_parser
+
+    args = build_parser().parse_args(
+        ["serve", "--api-key", "a", "b", "--allowed-origins", '["https://ui.example"]',
+         "--disable-access-log-for-endpoints", "/health,/metrics", "--scheduling-policy", "priority",
+         "--stream-interval", "4", "--generation-config", "vllm", "--override-generation-config",
+         '{"temperature": 0.5}', "--enable-request-id-headers", "--enable-prompt-tokens-details"]
+    )  # fmt: skip
+    config = _load_config(args)
+    s = config.server
+    assert (s.api_keys, s.allowed_origins, s.disable_access_log_for_endpoints) == (
+        ["a", "b"],
+        ["https://ui.example"],
+        ["/health", "/metrics"],
+    )
+    assert (config.scheduler.policy, s.stream_interval, config.model.generation_config) == (
+        "priority",
+        4,
+        "vllm",
+    )
+    assert config.model.override_generation_config == {"temperature": 0.5}
+    assert s.enable_request_id_headers and s.enable_prompt_tokens_details

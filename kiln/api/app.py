@@ -19,6 +19,7 @@ from starlette.applications import Starlette
 from starlette.datastructures import Headers, MutableHeaders
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
@@ -37,7 +38,7 @@ from kiln.api.protocol import (
 from kiln.api.responses import DetokenizeResponse, ModelCard, ModelList, TokenizeResponse
 from kiln.api.responses_api import create_response
 from kiln.api.responses_protocol import ResponsesRequest
-from kiln.config import ServeConfig
+from kiln.config import ServeConfig, ServerConfig
 from kiln.engine.async_engine import AsyncEngine
 from kiln.version import VERSION
 
@@ -100,7 +101,7 @@ class App:
             ],
             exception_handlers={HTTPException: self._http_error},
             lifespan=self._lifespan,
-            middleware=[Middleware(RequestIdHeader)] if config.server.enable_request_id_headers else [],
+            middleware=_middleware(config.server),
         )
 
     # -- lifecycle -----------------------------------------------------------------------------
@@ -146,7 +147,7 @@ class App:
         log.info(
             "kiln is ready at %s, serving %s, %.1f s after start (%s)", url, self.model_name, total, parts
         )
-        auth = f" -H 'Authorization: Bearer {s.api_key}'" if s.api_key else ""
+        auth = f" -H 'Authorization: Bearer {s.api_keys[0]}'" if s.api_keys else ""
         body = _encoder.encode(
             {"model": self.model_name, "messages": [{"role": "user", "content": "Hello!"}]}
         )
@@ -195,11 +196,13 @@ class App:
         return self.engine, self.inputs
 
     def _authorize(self, request: Request) -> None:
-        key = self.config.server.api_key
-        if key is None:
+        keys = self.config.server.api_keys
+        if not keys:
             return
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not secrets.compare_digest(token.encode(), key.encode()):
+        # Every key compared, so the time taken tells nothing of which one nearly matched.
+        matches = [secrets.compare_digest(token.encode(), key.encode()) for key in keys]
+        if scheme.lower() != "bearer" or not any(matches):
             raise APIError(401, "missing or invalid API key: send 'Authorization: Bearer <key>'")
 
     async def _body(self, request: Request) -> bytes:
@@ -310,6 +313,22 @@ class App:
 
     async def _version(self, request: Request) -> Response:
         return Response(_encoder.encode({"version": VERSION}), media_type="application/json")
+
+
+def _middleware(server: ServerConfig) -> list[Middleware]:
+    """CORS where origins are allowed, and X-Request-Id headers where asked (vLLM's)."""
+    out = []
+    if server.allowed_origins:
+        cors = {
+            "allow_origins": server.allowed_origins,
+            "allow_methods": server.allowed_methods,
+            "allow_headers": server.allowed_headers,
+            "allow_credentials": server.allow_credentials,
+        }
+        out.append(Middleware(CORSMiddleware, **cors))
+    if server.enable_request_id_headers:
+        out.append(Middleware(RequestIdHeader))
+    return out
 
 
 class RequestIdHeader:

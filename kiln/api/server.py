@@ -19,6 +19,20 @@ log = logging.getLogger(__name__)
 _CLOSE_GRACE_S = 5.0
 
 
+class _Unlogged(logging.Filter):
+    """Drops access-log lines of the given paths (their query strings aside)."""
+
+    def __init__(self, paths: list[str]) -> None:
+        super().__init__()
+        self.paths = frozenset(paths)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        # The line: host "METHOD /path?query PROTOCOL" status ...
+        request = record.getMessage().partition('"')[2].partition('"')[0]
+        path = request.split(" ")[1].partition("?")[0] if request.count(" ") >= 1 else ""
+        return path not in self.paths
+
+
 def listen(host: str, port: int) -> socket.socket:
     """The server's socket, bound by Hypercorn before anything loads (as vLLM binds first): a port in use
     is an OSError here, in a second, and never a traceback after the engine has started loading."""
@@ -38,6 +52,8 @@ async def serve(
     hc.bind = [f"fd://{sock.detach()}"]  # Hypercorn owns the socket from here
     hc.graceful_timeout = _CLOSE_GRACE_S
     hc.accesslog = logging.getLogger("kiln.access")
+    if config.server.disable_access_log_for_endpoints:
+        hc.accesslog.addFilter(_Unlogged(config.server.disable_access_log_for_endpoints))
     hc.errorlog = logging.getLogger("hypercorn.error")
     hc.access_log_format = '%(h)s "%(r)s" %(s)s %(b)s %(L)ss'
     await hypercorn_serve(app.starlette, hc, shutdown_trigger=app.stopped.wait)  # type: ignore[arg-type]

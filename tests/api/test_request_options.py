@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+import time
 from pathlib import Path
 
 import httpx
@@ -16,7 +17,7 @@ from transformers import AutoTokenizer
 from kiln.api.inputs import render_messages
 from kiln.api.protocol import ChatCompletionRequest
 from tests.api.server import AUTH, Server, expect_error, post
-from tests.conftest import API_KEY
+from tests.conftest import ALLOWED_ORIGIN, API_KEY, SECOND_KEY
 
 pytestmark = pytest.mark.slow
 
@@ -282,3 +283,30 @@ def test_sagemaker_routes_and_token_strings(server: Server) -> None:
     r = httpx.post(f"{server.url}/tokenize", json={"prompt": "Hello world", "return_token_strs": True}).json()
     assert r["token_strs"] == ["Hello", "Ġworld"] and len(r["tokens"]) == 2
     assert "token_strs" not in httpx.post(f"{server.url}/tokenize", json={"prompt": "Hi"}).json()
+
+
+def test_cors_api_keys_and_quiet_endpoints(tiny_server: Server) -> None:
+    """tiny_server allows one origin, takes either of two API keys, and leaves /health and /metrics out of
+    its access log."""
+    url = f"{tiny_server.url}/v1/completions"
+    preflight = {"Origin": ALLOWED_ORIGIN, "Access-Control-Request-Method": "POST"}
+    r = httpx.options(url, headers={**preflight, "Access-Control-Request-Headers": "authorization"})
+    assert r.status_code == 200 and r.headers["access-control-allow-origin"] == ALLOWED_ORIGIN
+    r = httpx.options(url, headers={**preflight, "Origin": "https://elsewhere.example"})
+    assert r.status_code == 400 and "access-control-allow-origin" not in r.headers
+    body = {"prompt": "Hi", "max_tokens": 1}
+    for key in (API_KEY, SECOND_KEY):
+        r = httpx.post(url, json=body, headers={"Authorization": f"Bearer {key}", "Origin": ALLOWED_ORIGIN})
+        assert r.status_code == 200 and r.headers["access-control-allow-origin"] == ALLOWED_ORIGIN
+    expect_error(
+        httpx.post(url, json=body, headers={"Authorization": "Bearer third"}), 401, "AuthenticationError"
+    )
+    httpx.get(f"{tiny_server.url}/health?probe=1")
+    httpx.get(f"{tiny_server.url}/metrics")
+    httpx.get(f"{tiny_server.url}/version")
+    deadline = time.monotonic() + 10
+    while '"GET /version' not in tiny_server.output() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    log = tiny_server.output()
+    assert '"GET /version' in log and '"POST /v1/completions' in log
+    assert '"GET /health' not in log and '"GET /metrics' not in log
