@@ -54,7 +54,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
 # vLLM's flag -> (config section, key). Flags left unset keep the config file's value.
 SERVE_FLAGS: dict[str, tuple[str, str, dict]] = {
     "--model": ("model", "model", {"help": "model folder, or 'default' (SmolLM2-135M-Instruct)"}),
-    "--served-model-name": ("server", "served_model_name", {}),
+    "--served-model-name": ("server", "served_model_name", {"nargs": "+", "metavar": "NAME"}),
+    "--chat-template": ("model", "chat_template", {"metavar": "FILE_OR_TEMPLATE"}),
     "--host": ("server", "host", {}),
     "--port": ("server", "port", {"type": int}),
     "--api-key": (
@@ -155,6 +156,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     clock = time.perf_counter()  # the serving stack's imports (torch, dynamo, transformers, the server)
     from kiln.api.server import listen, run
+    from kiln.engine.tokenizer import chat_template
     from kiln.models.loader import resolve_model
     from kiln.ops.cpu import threads
 
@@ -162,6 +164,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     try:
         resolve_model(config.model.model)  # a missing model folder fails here, before the port opens
+        if config.model.chat_template is not None:
+            chat_template(config.model.chat_template)  # so does a template that is neither file nor Jinja
         threads.resolve(config.backend.cpu_threads_bind, own_thread=True)  # so does a CPU it may not use
     except (OSError, ValueError) as e:
         parser.exit(1, f"{parser.prog}: error: {e}\n")

@@ -17,6 +17,7 @@ class _Section(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 class ModelConfig(_Section):
     model: str = "default"  # a model folder, or "default" for the embedded SmolLM2-135M-Instruct
     tokenizer: str | None = None  # defaults to the model folder
+    chat_template: str | None = None  # a Jinja file, or the template itself, in place of the tokenizer's
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     max_model_len: Annotated[int, Meta(ge=2)] | None = None  # defaults to the model's max_position_embeddings
     seed: int = 0
@@ -173,7 +174,7 @@ class ServerConfig(_Section):
     host: str = "127.0.0.1"
     port: Annotated[int, Meta(ge=0, le=65535)] = 8000
     api_key: str | list[str] | None = None  # when set, /v1/* needs "Authorization: Bearer <one of them>"
-    served_model_name: str | None = None  # defaults to the model's name
+    served_model_name: str | list[str] | None = None  # the model's names, the first reported; null: its own
     drain_timeout: Annotated[float, Meta(ge=0)] = 30.0  # seconds SIGTERM waits for requests in flight
     max_request_bytes: Annotated[int, Meta(ge=1024)] = 16 * 2**20  # larger bodies get 413
     # What one request may ask for; over a limit is a 400 naming it. vLLM's names (its VLLM_MAX_* variables).

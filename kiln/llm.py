@@ -100,10 +100,14 @@ class LLM:
         add_generation_prompt: bool = True,
         chat_template_kwargs: dict[str, Any] | None = None,
         continue_final_message: bool = False,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[RequestOutput]:
+        """tools: OpenAI's tool definitions, for a template that shows them to the model (vLLM's)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = [
-            self.apply_chat_template(c, add_generation_prompt, chat_template_kwargs, continue_final_message)
+            self.apply_chat_template(
+                c, add_generation_prompt, chat_template_kwargs, continue_final_message, tools
+            )
             for c in conversations
         ]
         return self.generate(prompts, sampling_params, use_tqdm)
@@ -114,6 +118,7 @@ class LLM:
         add_generation_prompt: bool = True,
         chat_template_kwargs: dict[str, Any] | None = None,
         continue_final_message: bool = False,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[int]:
         """continue_final_message: the last message left open, for the model to go on with it (then
         add_generation_prompt must be False, as in vLLM)."""
@@ -122,6 +127,7 @@ class LLM:
             messages,
             add_generation_prompt,
             chat_template_kwargs,
+            tools,
             continue_final_message=continue_final_message,
         )
 

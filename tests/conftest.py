@@ -39,6 +39,7 @@ def default_model_dir() -> Path:
 
 MAX_MODEL_LEN = 512
 SECOND_KEY = "second-key"  # tiny_server takes two API keys
+TINY_NAME = "tiny"  # and two names, "tiny" first
 ALLOWED_ORIGIN = "https://ui.example"  # and browsers on this origin (CORS)
 MAX_REQUEST_BYTES = 65536
 
@@ -78,6 +79,7 @@ def tiny_server(tmp_path_factory: pytest.TempPathFactory, default_model_dir: Pat
         "compile": {"mode": "eager"},
         # tool_choice "auto" read as hermes, thinking as qwen3: their tests force the text by a constraint.
         "server": {
+            "served_model_name": [TINY_NAME, "tiny-alias"],
             "api_key": [API_KEY, SECOND_KEY],
             "allowed_origins": [ALLOWED_ORIGIN],
             "disable_access_log_for_endpoints": ["/health", "/metrics"],

@@ -73,6 +73,10 @@ def test_missing_file() -> None:
         ),
         (["--enable-auto-tool-choice"], "server.enable_auto_tool_choice needs server.tool_call_parser"),
         (["--tool-call-parser", "nope"], "invalid choice: 'nope'"),
+        (
+            ["--chat-template", "no/such/template.jinja"],
+            "model.chat_template: 'no/such/template.jinja' is neither",
+        ),
     ],
 )
 def test_serve_refuses_before_binding(flags: list[str], message: str, capsys: pytest.CaptureFixture) -> None:

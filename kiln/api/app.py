@@ -70,9 +70,12 @@ class App:
         the serving stack, the ready line's first part."""
         self.config = config
         model = config.model.model
-        self.model_name = config.server.served_model_name or (
-            DEFAULT_MODEL_NAME if model == "default" else model
-        )
+        served = config.server.served_model_name
+        # As vLLM: a request may name the model by any of these; responses carry the first.
+        self.model_names = [served] if isinstance(served, str) else served or []
+        if not self.model_names:
+            self.model_names = [DEFAULT_MODEL_NAME if model == "default" else model]
+        self.model_name = self.model_names[0]
         self.started = time.perf_counter() if started is None else started
         self.imports = imports
         self.engine: AsyncEngine | None = None
@@ -221,7 +224,7 @@ class App:
 
     def _check_model(self, body: Any) -> None:
         name = getattr(body, "model", None)
-        if name and name != self.model_name:
+        if name and name not in self.model_names:
             raise APIError(404, f"The model `{name}` does not exist.", "model")
 
     def _api(self, handler: Handler, kind: type | None = None) -> Callable[[Request], Awaitable[Response]]:
@@ -275,8 +278,8 @@ class App:
         raise APIError(400, "an invocation needs messages (chat), prompt (completions) or input (responses)")
 
     async def _models(self, engine: AsyncEngine, inputs: Inputs, request: Request, body: None) -> ModelList:
-        root = str(engine.model_path)
-        return ModelList([ModelCard(id=self.model_name, root=root, max_model_len=engine.max_model_len)])
+        root, length = str(engine.model_path), engine.max_model_len
+        return ModelList([ModelCard(id=name, root=root, max_model_len=length) for name in self.model_names])
 
     async def _tokenize(
         self, engine: AsyncEngine, inputs: Inputs, request: Request, body: TokenizeRequest

@@ -12,7 +12,20 @@ from kiln.config import EngineConfig
 
 
 def load_tokenizer(config: EngineConfig, model_path: Path) -> Any:
-    return AutoTokenizer.from_pretrained(config.model.tokenizer or model_path, local_files_only=True)
+    tokenizer = AutoTokenizer.from_pretrained(config.model.tokenizer or model_path, local_files_only=True)
+    if config.model.chat_template is not None:
+        tokenizer.chat_template = chat_template(config.model.chat_template)
+    return tokenizer
+
+
+def chat_template(given: str) -> str:
+    """vLLM's --chat-template: a file's contents, or the template itself where it holds Jinja's marks."""
+    path = Path(given).expanduser()
+    if path.is_file():
+        return path.read_text()
+    if any(mark in given for mark in ("{%", "{{", "\n")):
+        return given
+    raise ValueError(f"model.chat_template: {given!r} is neither a readable file nor a Jinja template")
 
 
 # The generation config's fields that are sampling defaults (vLLM's list).

@@ -16,8 +16,10 @@ from transformers import AutoTokenizer
 
 from kiln.api.inputs import render_messages
 from kiln.api.protocol import ChatCompletionRequest
+from kiln.config import EngineConfig
+from kiln.engine.tokenizer import chat_template, load_tokenizer
 from tests.api.server import AUTH, Server, expect_error, post
-from tests.conftest import ALLOWED_ORIGIN, API_KEY, SECOND_KEY
+from tests.conftest import ALLOWED_ORIGIN, API_KEY, SECOND_KEY, TINY_NAME
 
 pytestmark = pytest.mark.slow
 
@@ -310,3 +312,26 @@ def test_cors_api_keys_and_quiet_endpoints(tiny_server: Server) -> None:
     log = tiny_server.output()
     assert '"GET /version' in log and '"POST /v1/completions' in log
     assert '"GET /health' not in log and '"GET /metrics' not in log
+
+
+def test_served_model_names_and_a_chat_template(
+    tiny_server: Server, tmp_path: Path, default_model_dir: Path
+) -> None:
+    """A request may name the model by any of its served names; responses carry the first."""
+    client = client_for(tiny_server)
+    assert [m.id for m in client.models.list().data] == [TINY_NAME, "tiny-alias"]
+    r = client.completions.create(model="tiny-alias", prompt="Hi", max_tokens=1)
+    assert r.model == TINY_NAME
+    expect_error(
+        post(tiny_server, "/v1/completions", json={"model": "other", "prompt": "Hi"}),
+        404,
+        "NotFoundError",
+        "model",
+    )
+    # vLLM's --chat-template: a file, or the template itself.
+    template = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"
+    (tmp_path / "t.jinja").write_text(template)
+    assert chat_template(str(tmp_path / "t.jinja")) == template == chat_template(template)
+    config = EngineConfig.from_options(str(default_model_dir), chat_template=str(tmp_path / "t.jinja"))
+    tokenizer = load_tokenizer(config, default_model_dir)
+    assert tokenizer.apply_chat_template(HI, tokenize=False) == "<user>Hi"
