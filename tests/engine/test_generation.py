@@ -370,6 +370,27 @@ def test_priority_orders_the_queue(default_model_dir: Path) -> None:
     assert [o.prompt for o in outs] == ["Hi", "Hello"]  # outputs keep the prompts' order
 
 
+def test_chat_shows_the_tools_to_the_template(roomy: LLM) -> None:
+    """SmolLM2's template shows no tools, so this one, set for the test, names them."""
+    tool = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}
+    messages = [{"role": "user", "content": "What time is it?"}]
+    tokenizer = roomy.get_tokenizer()
+    saved = tokenizer.chat_template
+    tokenizer.chat_template = (
+        "{% for t in tools %}{{ t.function.name }};{% endfor %}{{ messages[0].content }}"
+    )
+    try:
+        assert (
+            tokenizer.decode(roomy.apply_chat_template(messages, tools=[tool])) == "get_time;What time is it?"
+        )
+        [out] = roomy.chat(
+            messages, SamplingParams(temperature=0, max_tokens=1), use_tqdm=False, tools=[tool]
+        )
+        assert tokenizer.decode(out.prompt_token_ids) == "get_time;What time is it?"
+    finally:
+        tokenizer.chat_template = saved
+
+
 def test_the_model_s_sampling_defaults(default_model_dir: Path, roomy: LLM) -> None:
     """As vLLM's LLM: without params, a request samples as the model's generation config recommends
     (here an override of it: greedy, 5 tokens)."""
