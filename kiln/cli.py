@@ -87,6 +87,7 @@ SERVE_FLAGS: dict[str, tuple[str, str, dict]] = {
     "--dtype": ("model", "dtype", {"choices": ["auto", "float32", "bfloat16", "float16"]}),
     "--device": ("model", "device", {}),
     "--seed": ("model", "seed", {"type": int}),
+    "--max-logprobs": ("model", "max_logprobs", {"type": int, "help": "the most logprobs a request may ask"}),
     "--generation-config": ("model", "generation_config", {"help": "auto, vllm, or a folder"}),
     "--override-generation-config": (
         "model",

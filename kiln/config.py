@@ -26,6 +26,8 @@ class ModelConfig(_Section):
     # folder's generation_config.json (its temperature, top_p, top_k, min_p, penalties, max_new_tokens as
     # max_tokens); vllm: none (OpenAI's defaults); else a folder holding a generation_config.json.
     generation_config: str = "auto"
+    # vLLM's: the most logprobs (and prompt_logprobs) a request may ask for; -1: the whole vocabulary.
+    max_logprobs: Annotated[int, Meta(ge=-1)] = 20
     override_generation_config: dict[str, Any] | None = None  # laid over it, e.g. {"temperature": 0.5}
 
 

@@ -41,7 +41,6 @@ from kiln.api.serving import (
 from kiln.api.streaming import ChoiceDelta, events, every, sse, stream_interval, usage, usage_asked
 from kiln.api.tool_calls import ToolCallStream, forced_call_schema
 from kiln.api.tool_parser import PARSERS, HermesTools, Llama3JsonTools
-from kiln.engine.admission import MAX_LOGPROBS
 from kiln.engine.async_engine import AsyncEngine
 from kiln.engine.request import PositionLogprobs
 from kiln.sampling_params import truncate_prompt
@@ -62,8 +61,9 @@ async def chat(
     model = engine.model_name
     if body.top_logprobs is not None and not body.logprobs:
         raise APIError(400, "top_logprobs needs logprobs set to true", "top_logprobs")
-    if body.top_logprobs is not None and not 0 <= body.top_logprobs <= MAX_LOGPROBS:
-        raise APIError(400, f"top_logprobs must be in [0, {MAX_LOGPROBS}]", "top_logprobs")
+    most = engine.admission.max_logprobs
+    if body.top_logprobs is not None and not 0 <= body.top_logprobs <= most:
+        raise APIError(400, f"top_logprobs must be in [0, {most}]", "top_logprobs")
     inputs.check_request(body)
     check_beam_search(body)
     server = inputs.limits

@@ -17,8 +17,6 @@ from kiln.engine.grammar import Grammars
 from kiln.engine.request import Request
 from kiln.sampling_params import SamplingParams, truncate_prompt
 
-MAX_LOGPROBS = 20  # vLLM's default cap on logprobs and prompt_logprobs
-
 
 @dataclass(frozen=True, slots=True)
 class Admission:
@@ -28,6 +26,7 @@ class Admission:
     vocab_size: int
     max_model_len: int
     policy: str  # the scheduler's: "fcfs" or "priority"
+    max_logprobs: int  # the most logprobs a request may ask for (model.max_logprobs, -1 resolved)
     device: torch.device  # where seeded requests' generators live
 
     def tokenize(self, prompt: str | list[int], params: SamplingParams | None = None) -> list[int]:
@@ -57,8 +56,8 @@ class Admission:
         vocab = self.vocab_size
         for name in ("logprobs", "prompt_logprobs"):
             k = getattr(params, name)
-            if k is not None and k > MAX_LOGPROBS:
-                raise ValueError(f"{name} must be at most {MAX_LOGPROBS}, got {k}")
+            if k is not None and k > self.max_logprobs:
+                raise ValueError(f"{name} must be at most {self.max_logprobs}, got {k}")
         for name in ("logit_bias", "stop_token_ids", "allowed_token_ids"):
             bad = [t for t in getattr(params, name) or () if not 0 <= t < vocab]
             if bad:

@@ -16,7 +16,7 @@ from kiln.engine.output import RequestOutput
 from kiln.engine.request import PositionLogprobs
 from kiln.sampling_params import SamplingParams
 
-MAX_BEAM_WIDTH = 10  # 2 x width logprobs a step, within the engine's 20 (vLLM's limit too)
+MAX_BEAM_WIDTH = 10  # 2 x width logprobs a step, within the engine's default --max-logprobs 20 (vLLM's too)
 
 
 class BeamSearchParams(msgspec.Struct, kw_only=True):

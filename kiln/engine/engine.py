@@ -106,6 +106,7 @@ class LLMEngine:
             dims.vocab_size,
             self.max_model_len,
             config.scheduler.policy,
+            dims.vocab_size if config.model.max_logprobs == -1 else config.model.max_logprobs,
             self.runner.device,
         )
         self.timings["runner"] = time.perf_counter() - clock

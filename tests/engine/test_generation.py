@@ -3,6 +3,7 @@ and input validation."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -13,6 +14,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from kiln import LLM, BeamSearchParams, SamplingParams
+from kiln.config import EngineConfig
 from kiln.engine.output import CompletionOutput, RequestOutput
 
 pytestmark = pytest.mark.slow
@@ -590,6 +592,17 @@ def test_out_of_vocab_logit_bias_is_rejected_up_front(clean_roomy: LLM) -> None:
     with pytest.raises(ValueError, match="logit_bias"):
         gen(clean_roomy, ["Hi there, how are you?"], params)
     assert_still_works(clean_roomy)
+
+
+def test_max_logprobs_bounds_what_a_request_may_ask(roomy: LLM) -> None:
+    """model.max_logprobs (vLLM's --max-logprobs): 20 by default; -1 makes it the vocabulary."""
+    admission = roomy.engine.admission
+    assert admission.max_logprobs == 20
+    with pytest.raises(ValueError, match=r"^logprobs must be at most 20, got 21"):
+        admission.check_params(SamplingParams(logprobs=21))
+    whole = dataclasses.replace(admission, max_logprobs=admission.vocab_size)  # what -1 resolves to
+    whole.check_params(SamplingParams(logprobs=1000, prompt_logprobs=49152))
+    assert EngineConfig.from_options(max_logprobs=-1).model.max_logprobs == -1
 
 
 @pytest.mark.parametrize("field", ["logprobs", "prompt_logprobs"])
