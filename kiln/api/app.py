@@ -4,31 +4,29 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import secrets
 import sys
 import threading
 import time
-import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import msgspec
 from starlette.applications import Starlette
-from starlette.datastructures import Headers, MutableHeaders
 from starlette.exceptions import HTTPException
-from starlette.middleware import Middleware
-from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kiln.api.chat import create_chat_completion
 from kiln.api.completions import create_completion
 from kiln.api.errors import APIError, as_api_error
 from kiln.api.inputs import Inputs
+from kiln.api.invocations import create_invocation
+from kiln.api.middleware import middleware
 from kiln.api.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -38,7 +36,7 @@ from kiln.api.protocol import (
 from kiln.api.responses import DetokenizeResponse, ModelCard, ModelList, TokenizeResponse
 from kiln.api.responses_api import create_response
 from kiln.api.responses_protocol import ResponsesRequest
-from kiln.config import ServeConfig, ServerConfig
+from kiln.config import ServeConfig
 from kiln.engine.async_engine import AsyncEngine
 from kiln.version import VERSION
 
@@ -84,6 +82,7 @@ class App:
         self.stopped = asyncio.Event()  # set when the server should close
         self.exit_code = 0
         post, get = ["POST"], ["GET"]
+        invoke = functools.partial(create_invocation, check_model=self._check_model)
         self.starlette = Starlette(
             routes=[
                 Route("/v1/completions", self._api(create_completion, CompletionRequest), methods=post),
@@ -98,13 +97,13 @@ class App:
                 Route("/detokenize", self._api(self._detokenize, DetokenizeRequest), methods=post),
                 Route("/health", self._health, methods=get),
                 Route("/ping", self._health, methods=["GET", "POST"]),  # SageMaker's, as vLLM
-                Route("/invocations", self._api(self._invocations, msgspec.Raw), methods=post),
+                Route("/invocations", self._api(invoke, msgspec.Raw), methods=post),
                 Route("/metrics", self._metrics, methods=get),
                 Route("/version", self._version, methods=get),
             ],
             exception_handlers={HTTPException: self._http_error},
             lifespan=self._lifespan,
-            middleware=_middleware(config.server),
+            middleware=middleware(config.server),
         )
 
     # -- lifecycle -----------------------------------------------------------------------------
@@ -256,27 +255,6 @@ class App:
 
     # -- small endpoints ------------------------------------------------------------------------
 
-    async def _invocations(
-        self, engine: AsyncEngine, inputs: Inputs, request: Request, raw: msgspec.Raw
-    ) -> Any:
-        """SageMaker's (vLLM's): a chat body (messages), a completion (prompt) or a response (input),
-        each to its endpoint."""
-        data = bytes(raw)
-        try:  # the top level's keys only: its values stay raw, unparsed
-            keys = msgspec.json.decode(data, type=dict[str, msgspec.Raw])
-        except msgspec.ValidationError:
-            raise APIError(400, "an invocation's body must be a JSON object") from None
-        for key, handler, kind in (
-            ("messages", create_chat_completion, ChatCompletionRequest),
-            ("prompt", create_completion, CompletionRequest),
-            ("input", create_response, ResponsesRequest),
-        ):
-            if key in keys:
-                body = await inputs.parse(data, kind)
-                self._check_model(body)
-                return await handler(engine, inputs, request, body)
-        raise APIError(400, "an invocation needs messages (chat), prompt (completions) or input (responses)")
-
     async def _models(self, engine: AsyncEngine, inputs: Inputs, request: Request, body: None) -> ModelList:
         root, length = str(engine.model_path), engine.max_model_len
         return ModelList([ModelCard(id=name, root=root, max_model_len=length) for name in self.model_names])
@@ -316,39 +294,3 @@ class App:
 
     async def _version(self, request: Request) -> Response:
         return Response(_encoder.encode({"version": VERSION}), media_type="application/json")
-
-
-def _middleware(server: ServerConfig) -> list[Middleware]:
-    """CORS where origins are allowed, and X-Request-Id headers where asked (vLLM's)."""
-    out = []
-    if server.allowed_origins:
-        cors = {
-            "allow_origins": server.allowed_origins,
-            "allow_methods": server.allowed_methods,
-            "allow_headers": server.allowed_headers,
-            "allow_credentials": server.allow_credentials,
-        }
-        out.append(Middleware(CORSMiddleware, **cors))
-    if server.enable_request_id_headers:
-        out.append(Middleware(RequestIdHeader))
-    return out
-
-
-class RequestIdHeader:
-    """vLLM's --enable-request-id-headers: each response's X-Request-Id is the request's, else random."""
-
-    def __init__(self, app: ASGIApp) -> None:
-        self.app = app
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        request_id = Headers(scope=scope).get("x-request-id") or uuid.uuid4().hex
-
-        async def send_with_id(message: Message) -> None:
-            if message["type"] == "http.response.start":
-                MutableHeaders(scope=message).append("X-Request-Id", request_id)
-            await send(message)
-
-        await self.app(scope, receive, send_with_id)
