@@ -5,12 +5,10 @@ client to leave. What they stream, and their usage, is in kiln.api.streaming."""
 from __future__ import annotations
 
 import asyncio
-import logging
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
-import msgspec
 from msgspec import UNSET, UnsetType
 from starlette.requests import Request
 
@@ -21,10 +19,6 @@ from kiln.engine.async_engine import AsyncEngine, RequestStream
 from kiln.engine.output import RequestOutput, merge
 from kiln.engine.request import PositionLogprobs
 from kiln.sampling_params import SamplingParams, StructuredOutputsParams
-
-log = logging.getLogger(__name__)
-
-_encoder = msgspec.json.Encoder()
 
 # The sampling fields a request may leave unset for the model's generation config to set.
 _DEFAULTED = (
