@@ -60,13 +60,13 @@ def sampling_params(
         name: value if (value := getattr(body, name)) is not None else defaults.get(name)
         for name in _DEFAULTED
     }
-    if max_tokens is None:
-        max_tokens = min(defaults.get("max_tokens", room), room)
+    if max_tokens is None:  # (an explicit 0 is SamplingParams' 400)
+        max_tokens = max(min(defaults.get("max_tokens", room), room), 1)
     return SamplingParams(
         n=body.n,
         logit_bias=bias,
         seed=body.seed,
-        max_tokens=max(max_tokens, 1),
+        max_tokens=max_tokens,
         min_tokens=body.min_tokens,
         stop=stop,
         stop_token_ids=body.stop_token_ids or [],
