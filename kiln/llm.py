@@ -9,7 +9,7 @@ from typing import Any
 from tqdm import tqdm
 
 from kiln.config import EngineConfig
-from kiln.engine.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
+from kiln.engine.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams, advance_all
 from kiln.engine.chat_template import render_chat
 from kiln.engine.engine import LLMEngine
 from kiln.engine.output import RequestOutput
@@ -62,26 +62,23 @@ class LLM:
         batch = _as_batch(prompts)
         eos = frozenset(self.engine.eos_token_ids)
         searches = []
-        for prompt, _ in batch:
+        for prompt, salt in batch:
             ids = self.engine.admission.tokenize(prompt)
             if len(ids) + params.max_tokens > self.engine.max_model_len:
                 raise ValueError(
                     f"max_tokens {params.max_tokens} after a prompt of {len(ids)} tokens exceeds "
                     f"max_model_len={self.engine.max_model_len}"
                 )
-            searches.append(BeamSearch(ids, params, eos))
+            searches.append(BeamSearch(ids, params, eos, salt))
         step = params.step_params()
         with tqdm(total=params.max_tokens, desc="Beam search", unit="step", disable=not use_tqdm) as bar:
-            while running := [(s, salt) for s, (_, salt) in zip(searches, batch, strict=True) if s.running]:
+            while running := [s for s in searches if s.running]:
                 ids = []
-                for search, salt in running:
+                for search in running:  # in the order advance_all takes the outputs back
                     for beam in search.beams:
                         ids.append(f"beam-{next(self._ids)}")
-                        self.engine.add_request(ids[-1], beam.tokens, step, cache_salt=salt)
-                outs, start = self._run(ids, use_tqdm=False), 0
-                for search, _ in running:
-                    search.advance(outs[start : start + len(search.beams)])
-                    start += len(search.beams)
+                        self.engine.add_request(ids[-1], beam.tokens, step, cache_salt=search.cache_salt)
+                advance_all(running, self._run(ids, use_tqdm=False))
                 bar.update()
         tokenizer = self.engine.tokenizer
         results = []

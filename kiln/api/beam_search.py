@@ -10,7 +10,7 @@ from kiln.api.errors import APIError
 from kiln.api.protocol import _SamplingRequest
 from kiln.api.serving import final_outputs, start_all
 from kiln.engine.async_engine import AsyncEngine
-from kiln.engine.beam_search import MAX_BEAM_WIDTH, BeamSearch, BeamSearchParams
+from kiln.engine.beam_search import MAX_BEAM_WIDTH, BeamSearch, BeamSearchParams, advance_all, step_prompts
 from kiln.engine.detokenizer import IncrementalDetokenizer
 from kiln.engine.output import CompletionOutput, RequestOutput
 from kiln.sampling_params import SamplingParams
@@ -70,17 +70,13 @@ async def beam_search_all(
     ]
     step = searches[0].params.step_params(params[0].logprobs or 0)
     while running := [s for s in searches if s.running]:
-        beams = [b.tokens for s in running for b in s.beams]
+        beams = step_prompts(running)
         outs = await final_outputs(
             request, start_all(engine, request, body, response_id, beams, [step] * len(beams))
         )
         if outs is None:
             return None
-        start = 0
-        for search in running:
-            n = len(search.beams)
-            search.advance(outs[start : start + n])
-            start += n
+        advance_all(running, outs)
     pairs = enumerate(zip(searches, params, strict=True))
     return [_output(f"{response_id}-{i}", s, p, engine) for i, (s, p) in pairs]
 

@@ -96,7 +96,7 @@ async def chat(
         engine.sampling_defaults,
     )
     prompt_text = await inputs.detokenize(ids) if body.return_prompt_text else UNSET
-    rid = response_id("chatcmpl", request, body)
+    rid = response_id("chatcmpl-", request, body.request_id)
     # A forced call's JSON is constrained from the first token: there is no thinking to set apart.
     think = server.reasoning_parser if not calls else None
     reading = functools.partial(_Reading.start, think, auto, body.include_reasoning)

@@ -66,7 +66,7 @@ async def create_completion(
         )
         for p in prompts
     ]
-    rid = response_id("cmpl", request, body)
+    rid = response_id("cmpl-", request, body.request_id)
     cached = inputs.limits.enable_prompt_tokens_details
     if body.use_beam_search:
         finals = await beam_search_all(engine, request, body, rid, [p.ids for p in prompts], params)

@@ -5,7 +5,6 @@ function calls. Streamed, the chat chunks become the Responses API's events, in 
 
 from __future__ import annotations
 
-import uuid
 from typing import Any
 
 import msgspec
@@ -33,6 +32,7 @@ from kiln.api.responses_protocol import (
     response_usage,
 )
 from kiln.api.responses_stream import events, reasoning_tokens
+from kiln.api.serving import response_id
 from kiln.api.streaming import sse
 from kiln.engine.async_engine import AsyncEngine
 
@@ -48,7 +48,7 @@ _SAME = (
 async def create_response(
     engine: AsyncEngine, inputs: Inputs, request: Request, body: ResponsesRequest
 ) -> ResponseBody | Response | None:
-    rid = f"resp_{request.headers.get('x-request-id') or body.request_id or uuid.uuid4().hex}"
+    rid = response_id("resp_", request, body.request_id)
     reply = await chat(engine, inputs, request, to_chat(body), cached=True)
     if reply is None:
         return None

@@ -123,9 +123,9 @@ async def constraint(
     return so
 
 
-def response_id(prefix: str, request: Request, body: _SamplingRequest) -> str:
+def response_id(prefix: str, request: Request, request_id: str | None) -> str:
     """vLLM's: the X-Request-Id header, else the body's request_id, else a random id, after the prefix."""
-    return f"{prefix}-{request.headers.get('x-request-id') or body.request_id or uuid.uuid4().hex}"
+    return f"{prefix}{request.headers.get('x-request-id') or request_id or uuid.uuid4().hex}"
 
 
 def start_all(

@@ -62,6 +62,7 @@ class BeamSearch:
     prompt: list[int]
     params: BeamSearchParams
     eos: frozenset[int]
+    cache_salt: str | None = None  # the prompt's, for each step's requests
     beams: list[BeamSearchSequence] = field(init=False)
     done: list[BeamSearchSequence] = field(default_factory=list)
     steps: int = 0
@@ -111,3 +112,19 @@ class BeamSearch:
         """transformers' and vLLM's: the cumulative logprob over the length, a final EOS not counted."""
         length = len(beam.tokens) - (beam.tokens[-1] in self.eos)
         return beam.cum_logprob / max(length, 1) ** self.params.length_penalty
+
+
+def step_prompts(running: list[BeamSearch]) -> list[list[int]]:
+    """The running searches' beams, each a one-token request's prompt, in the order advance_all takes
+    their outputs back."""
+    return [beam.tokens for search in running for beam in search.beams]
+
+
+def advance_all(running: list[BeamSearch], outs: list[RequestOutput]) -> None:
+    """Each running search takes its beams' outputs from one step's: search by search, beam by beam (the
+    order of step_prompts)."""
+    start = 0
+    for search in running:
+        n = len(search.beams)
+        search.advance(outs[start : start + n])
+        start += n
