@@ -112,7 +112,7 @@ SERVE_FLAGS: dict[str, tuple[str, str, dict]] = {
         {"action": "store_true", "help": 'tool_choice "auto", parsed by --tool-call-parser'},
     ),
     "--tool-call-parser": ("server", "tool_call_parser", {"choices": ["hermes", "llama3_json"]}),
-    "--reasoning-parser": ("server", "reasoning_parser", {"choices": ["deepseek_r1", "qwen3"]}),
+    "--reasoning-parser": ("model", "reasoning_parser", {"choices": ["deepseek_r1", "qwen3"]}),
     "--enable-request-id-headers": (
         "server",
         "enable_request_id_headers",

@@ -29,6 +29,12 @@ class ModelConfig(_Section):
     # vLLM's: the most logprobs (and prompt_logprobs) a request may ask for; -1: the whole vocabulary.
     max_logprobs: Annotated[int, Meta(ge=-1)] = 20
     override_generation_config: dict[str, Any] | None = None  # laid over it, e.g. {"temperature": 0.5}
+    # A reasoning model's <think> ... </think> (vLLM's --reasoning-parser): chat replies give it as
+    # `reasoning`, structured outputs constrain only the answer after it, and a request's
+    # thinking_token_budget can end it.
+    reasoning_parser: Literal["deepseek_r1", "qwen3"] | None = None
+    # vLLM's structured_outputs_config.enable_in_reasoning: constraints cover the thinking too.
+    structured_outputs_in_reasoning: bool = False
 
 
 class CacheConfig(_Section):
@@ -193,8 +199,6 @@ class ServerConfig(_Section):
     # tool_call_parser, the format its chat template teaches. Off, "auto" is a 400, as in vLLM.
     enable_auto_tool_choice: bool = False
     tool_call_parser: Literal["hermes", "llama3_json"] | None = None
-    # A reasoning model's <think> text apart from its answer, as each chat reply's `reasoning`.
-    reasoning_parser: Literal["deepseek_r1", "qwen3"] | None = None
     # vLLM's: every response carries an X-Request-Id header, the request's own or a random one.
     enable_request_id_headers: bool = False
     # vLLM's CORS: browsers on these origins may call the server (none by default, as vLLM; "*": any).

@@ -88,6 +88,9 @@ class SamplingParams(msgspec.Struct, kw_only=True):
     truncation_side: Literal["left", "right"] = "left"  # right: keep the first k instead
     repetition_detection: RepetitionDetectionParams | None = None
     structured_outputs: StructuredOutputsParams | None = None
+    # A reasoning model's thinking, in tokens, before its closing tag is forced (kiln.engine.thinking);
+    # None (-1 as given): no limit.
+    thinking_token_budget: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -122,11 +125,18 @@ class SamplingParams(msgspec.Struct, kw_only=True):
             ),
             ("bad_words", all(w.strip() for w in self.bad_words), "must not contain empty words"),
             ("seed", self.seed is None or -(2**63) <= self.seed < 2**63, "must fit in 64 bits"),
+            (
+                "thinking_token_budget",
+                self.thinking_token_budget is None or self.thinking_token_budget >= -1,
+                "must be a non-negative integer or -1 for unlimited",
+            ),
         ]
         for name, ok, why in checks:
             if not ok:
                 raise ValueError(f"{name} {why}, got {getattr(self, name)!r}")
         check_truncation(self.truncate_prompt_tokens)
+        if self.thinking_token_budget == -1:
+            self.thinking_token_budget = None
 
     @property
     def greedy(self) -> bool:

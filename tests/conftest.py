@@ -73,7 +73,7 @@ def tiny_server(tmp_path_factory: pytest.TempPathFactory, default_model_dir: Pat
 
     model = build_default_vocab(tmp_path_factory.mktemp("tiny-default-vocab"), default_model_dir)
     config = {
-        "model": {"model": str(model), "max_model_len": TINY_MAX_MODEL_LEN},
+        "model": {"model": str(model), "max_model_len": TINY_MAX_MODEL_LEN, "reasoning_parser": "qwen3"},
         "cache": {"kv_cache_gib": 0.0625},
         "scheduler": {"max_num_seqs": 16, "policy": "priority"},
         "compile": {"mode": "eager"},
@@ -85,7 +85,6 @@ def tiny_server(tmp_path_factory: pytest.TempPathFactory, default_model_dir: Pat
             "disable_access_log_for_endpoints": ["/health", "/metrics"],
             "enable_auto_tool_choice": True,
             "tool_call_parser": "hermes",
-            "reasoning_parser": "qwen3",
             "enable_request_id_headers": True,
             "enable_prompt_tokens_details": True,
             **TINY_LIMITS,

@@ -20,6 +20,7 @@ _UNSUPPORTED = (
     "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias",
     "seed", "stop", "stop_token_ids", "min_tokens", "bad_words", "allowed_token_ids", "response_format",
     "structured_outputs", "prompt_logprobs", "tools", "tool_choice", "repetition_detection",
+    "thinking_token_budget",
 )  # fmt: skip
 
 

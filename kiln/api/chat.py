@@ -97,8 +97,8 @@ async def chat(
     )
     prompt_text = await inputs.detokenize(ids) if body.return_prompt_text else UNSET
     rid = response_id("chatcmpl-", request, body.request_id)
-    # A forced call's JSON is constrained from the first token: there is no thinking to set apart.
-    think = server.reasoning_parser if not calls else None
+    # A forced call's JSON follows the thinking, unless constraints hold the whole reply.
+    think = None if calls and engine.admission.constrain_thinking else engine.reasoning_parser
     reading = functools.partial(_Reading.start, think, auto, body.include_reasoning)
     if body.use_beam_search:
         outputs = await beam_search_all(engine, request, body, rid, [ids], [params])
@@ -116,11 +116,12 @@ async def chat(
     choices = []
     for c in out.outputs:
         reason = _finish(c.finish_reason, calls)
+        r = reading()
+        reasoning, content, _ = r.feed(c.text, final=True)
         if calls:
-            message = AssistantMessage(None, role, ToolCallStream(call_name).whole(c.text))
+            call = ToolCallStream(call_name).whole(content)
+            message = AssistantMessage(None, role, call, r.reasoning_field(reasoning))
         else:
-            r = reading()
-            reasoning, content, _ = r.feed(c.text, final=True)
             if r.called:
                 reason = "tool_calls"  # as vLLM, whatever ended the text
             # Parsed, an empty content is none (vLLM's null); plain, it is the model's empty text.
@@ -174,8 +175,8 @@ def chat_logprobs(
 
 @dataclass(slots=True)
 class _Reading:
-    """How a choice's text becomes its message when no call is forced: a reasoning model's thinking apart
-    (server.reasoning_parser), then the calls the model chose (tool_choice "auto"), the rest content."""
+    """How a choice's text becomes its message: a reasoning model's thinking apart (model.reasoning_parser),
+    then the calls the model chose (tool_choice "auto"), the rest content (or a forced call's JSON)."""
 
     think: ThinkSplit | None
     auto: HermesTools | Llama3JsonTools | None
@@ -259,18 +260,18 @@ class _Chunks:
             if self.k is not None:
                 logprobs = chat_logprobs(c.token_ids, c.logprobs or [], self.k, self.as_ids)
             reason = _finish(c.finish_reason, self.calls is not None)
+            r = self.readings.get(d.index)
+            if r is None:
+                r = self.readings[d.index] = self.reading()
+            reasoning, content, found = r.feed(c.text, final=c.finish_reason is not None)
+            shown = reasoning if r.include_reasoning else ""
             if self.calls is not None:
                 stream = self.calls.setdefault(d.index, ToolCallStream(self.call_name))
-                delta = Delta(tool_calls=stream.feed(c.text) or None)
+                delta = Delta(reasoning=shown or None, tool_calls=stream.feed(content) or None)
             else:
-                r = self.readings.get(d.index)
-                if r is None:
-                    r = self.readings[d.index] = self.reading()
-                reasoning, content, found = r.feed(c.text, final=c.finish_reason is not None)
                 if r.plain:
                     delta = Delta(content=content)  # as it came, an empty text included
                 else:
-                    shown = reasoning if r.include_reasoning else ""
                     delta = Delta(content=content or None, reasoning=shown or None, tool_calls=found or None)
                 reason = "tool_calls" if r.called and reason is not None else reason
             ids = ids_if(self.return_ids, c.token_ids)

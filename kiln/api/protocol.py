@@ -68,6 +68,7 @@ class _SamplingRequest(_Strict):
     truncate_prompt_tokens: int | None = None
     truncation_side: Literal["left", "right"] | None = None  # null: left (keep the prompt's end)
     repetition_detection: RepetitionDetectionParams | None = None
+    thinking_token_budget: int | None = None  # with a reasoning parser; -1: no limit
     prompt_logprobs: int | None = None
     return_token_ids: bool = False  # token ids beside the text
     return_tokens_as_token_ids: bool = False  # logprobs' tokens as "token_id:{id}"

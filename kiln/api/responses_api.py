@@ -41,7 +41,8 @@ _SAME = (
     "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty",
     "logit_bias", "seed", "stop", "stop_token_ids", "ignore_eos", "skip_special_tokens",
     "include_stop_str_in_output", "structured_outputs", "chat_template_kwargs", "include_reasoning",
-    "priority", "cache_salt", "request_id", "user", "metadata", "session_id", "parallel_tool_calls",
+    "thinking_token_budget", "priority", "cache_salt", "request_id", "user", "metadata", "session_id",
+    "parallel_tool_calls",
 )  # fmt: skip
 
 

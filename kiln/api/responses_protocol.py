@@ -88,6 +88,7 @@ class ResponsesRequest(_Strict):
     structured_outputs: StructuredOutputsParams | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     include_reasoning: bool = True
+    thinking_token_budget: int | None = None
     priority: int = 0
     cache_salt: str | None = None
     request_id: str | None = None

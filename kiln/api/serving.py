@@ -80,6 +80,7 @@ def sampling_params(
         allowed_token_ids=body.allowed_token_ids,
         bad_words=body.bad_words or [],
         repetition_detection=body.repetition_detection,
+        thinking_token_budget=body.thinking_token_budget,
         **{k: v for k, v in optional.items() if v is not None},
     )
 

@@ -15,6 +15,7 @@ from kiln.engine.constraint import Constraint
 from kiln.engine.detokenizer import IncrementalDetokenizer, SequenceText
 from kiln.engine.grammar import Grammars
 from kiln.engine.request import Request
+from kiln.engine.thinking import Thinking, ThinkTags
 from kiln.sampling_params import SamplingParams, truncate_prompt
 
 
@@ -28,6 +29,8 @@ class Admission:
     policy: str  # the scheduler's: "fcfs" or "priority"
     max_logprobs: int  # the most logprobs a request may ask for (model.max_logprobs, -1 resolved)
     device: torch.device  # where seeded requests' generators live
+    think_tags: ThinkTags | None = None  # a reasoning parser's (model.reasoning_parser)
+    constrain_thinking: bool = False  # model.structured_outputs_in_reasoning
 
     def tokenize(self, prompt: str | list[int], params: SamplingParams | None = None) -> list[int]:
         """The prompt's ids, truncated as params ask."""
@@ -64,6 +67,14 @@ class Admission:
                 raise ValueError(f"{name} token ids must be in [0, {vocab}), got {bad[:4]}")
         if params.structured_outputs is not None:
             self.grammars.check(params.structured_outputs)
+        if params.thinking_token_budget is not None:
+            if self.think_tags is None:
+                raise ValueError("thinking_token_budget needs a reasoning parser (--reasoning-parser)")
+            if self.constrain_thinking and params.structured_outputs is not None:
+                raise ValueError(
+                    "thinking_token_budget cannot end the thinking while a constraint holds it "
+                    "(model.structured_outputs_in_reasoning)"
+                )
         return tokenize_bad_words(self.tokenizer, params.bad_words, vocab)
 
     def check_options(self, priority: int, cache_salt: str | None) -> None:
@@ -142,8 +153,17 @@ class Admission:
             stop_ids=frozenset(p.stop_token_ids),
             bad_words=bad_words,
             grammar=None if constraint is None else self.grammars.start(constraint),
+            thinking=self._thinking(p, constraint is not None),
             priority=priority,
             cache_salt=cache_salt,
             logprobs=[] if p.logprobs is not None else None,
             prompt_logprobs=[None] if p.prompt_logprobs is not None else None,
         )
+
+    def _thinking(self, p: SamplingParams, constrained: bool) -> Thinking | None:
+        """Where a sequence's thinking ends matters to a grammar that holds only the answer, and to a
+        budget; otherwise it is not followed."""
+        grammar = constrained and not self.constrain_thinking
+        if self.think_tags is None or (p.thinking_token_budget is None and not grammar):
+            return None
+        return Thinking(self.think_tags, p.thinking_token_budget, grammar)

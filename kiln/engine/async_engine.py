@@ -94,6 +94,7 @@ class AsyncEngine:
     eos_token_ids: frozenset[int]
     sampling_defaults: dict[str, Any]  # the model's generation config, for fields a request leaves unset
     admission: Admission  # the engine's checks, with the event loop's tokenizer
+    reasoning_parser: str | None  # model.reasoning_parser
     model_path: Path
     timings: dict[str, float]  # start-up, by part
     metrics: Metrics
@@ -119,6 +120,7 @@ class AsyncEngine:
         self.vocab_size = self.engine.model.dims.vocab_size
         self.eos_token_ids = frozenset(self.engine.eos_token_ids)
         self.sampling_defaults = self.engine.sampling_defaults
+        self.reasoning_parser = config.model.reasoning_parser
         self.model_path = self.engine.model_path
         self.timings = self.engine.timings
         self.metrics = Metrics(model_name, self.engine.stats, self.max_model_len)

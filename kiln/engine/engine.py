@@ -24,6 +24,7 @@ from kiln.engine.output import OutputProcessor, Parent, RequestOutput
 from kiln.engine.runner import ModelRunner
 from kiln.engine.scheduler import ScheduledBatch, Scheduler
 from kiln.engine.step_result import StepResult
+from kiln.engine.thinking import ThinkTags
 from kiln.engine.tokenizer import eos_token_ids, load_tokenizer, sampling_defaults
 from kiln.models.loader import inspect_model, load_model, resolve_model
 from kiln.ops.backend import choose_backend
@@ -99,6 +100,7 @@ class LLMEngine:
             )
         self.grammars = Grammars(lambda: load_tokenizer(config, path), dims.vocab_size, self.eos_token_ids)
         self.runner = ModelRunner(self.model, config, self.max_model_len, self.backend, self.grammars)
+        parser = config.model.reasoning_parser
         self.admission = Admission(
             self.tokenizer,
             self.grammars,
@@ -108,6 +110,8 @@ class LLMEngine:
             config.scheduler.policy,
             dims.vocab_size if config.model.max_logprobs == -1 else config.model.max_logprobs,
             self.runner.device,
+            None if parser is None else ThinkTags.of(parser, self.tokenizer),
+            config.model.structured_outputs_in_reasoning,
         )
         self.timings["runner"] = time.perf_counter() - clock
         num_blocks = kv_cache_blocks(config, self.runner, self.max_model_len, self.timings)

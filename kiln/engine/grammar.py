@@ -14,7 +14,7 @@ import re
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -214,9 +214,16 @@ class Grammars:
         if pending:
             concurrent.futures.wait(pending, timeout, concurrent.futures.FIRST_COMPLETED)
 
-    def bitmask(self, grammars: list[SequenceGrammar], rows: list[int], num_rows: int) -> torch.Tensor:
+    def bitmask(
+        self,
+        grammars: list[SequenceGrammar],
+        rows: list[int],
+        num_rows: int,
+        also: Sequence[tuple[int, int]] = (),
+    ) -> torch.Tensor:
         """[num_rows, ceil(vocab / 32)] int32 on the CPU, with the given rows filled (a set bit allows
-        the token); the other rows are left as they are and must not be applied."""
+        the token); the other rows are left as they are and must not be applied. also: (row, token)
+        allowed beside the grammar's (a reasoning model's opening tag, kiln.engine.thinking)."""
         import xgrammar as xgr
 
         if self._bitmask is None or len(self._bitmask) < num_rows:
@@ -224,6 +231,10 @@ class Grammars:
         if self._batch is None:
             self._batch = xgr.BatchGrammarMatcher(max_threads=1)
         self._batch.batch_fill_next_token_bitmask([g.matcher for g in grammars], self._bitmask, rows)
+        if also:
+            words = self._bitmask.numpy().view(np.uint32)
+            for row, token in also:
+                words[row, token >> 5] |= np.uint32(1 << (token & 31))
         return self._bitmask[:num_rows]
 
     def keep_ends(self, bitmask: torch.Tensor, rows: list[int], banned: list[list[int]]) -> None:

@@ -189,7 +189,8 @@ class OutputProcessor:
             req.num_pending -= 1
             if req.finished:
                 continue
-            if req.grammar is not None and (req.grammar.failed or not req.grammar.accept(token)):
+            answer = req.thinking is None or req.thinking.advance(token)
+            if answer and req.grammar is not None and (req.grammar.failed or not req.grammar.accept(token)):
                 log.error("request %s: its grammar failed; it ends as aborted", req.request_id)
                 req.finish_reason = "abort"
                 req.text.settle(final=True)

@@ -8,6 +8,7 @@ import torch
 from kiln.engine.bad_words import BadWords, banned_next
 from kiln.engine.detokenizer import SequenceText
 from kiln.engine.grammar import SequenceGrammar
+from kiln.engine.thinking import Thinking
 from kiln.sampling_params import SamplingParams
 
 
@@ -46,6 +47,7 @@ class Request:
     stop_ids: frozenset[int] = frozenset()  # params.stop_token_ids, checked against every output token
     bad_words: BadWords = ()  # params.bad_words as token sequences
     grammar: SequenceGrammar | None = None  # params.structured_outputs, compiled
+    thinking: Thinking | None = None  # where its reasoning ends, when a grammar or a budget needs to know
     # vLLM's request options beside the params: a smaller priority is scheduled first (policy "priority");
     # arrival orders the queue within a priority; only requests with the same cache_salt share cached blocks.
     priority: int = 0
@@ -97,8 +99,23 @@ class Request:
 
     @property
     def reads_output(self) -> bool:
-        """Its next sampling reads its last tokens on the host: a grammar's state, a bad word's prefix."""
-        return self.bad_prefixes or (self.grammar is not None and self.grammar.active)
+        """Its next sampling reads its last tokens on the host: a grammar's state, a bad word's prefix,
+        whether its thinking has ended."""
+        return (
+            self.bad_prefixes
+            or (self.grammar is not None and self.grammar.active)
+            or (self.thinking is not None and not self.thinking.answering)
+        )
+
+    @property
+    def constrained(self) -> bool:
+        """Its grammar constrains this step's token (not its thinking, unless the grammar covers it)."""
+        t = self.thinking
+        return (
+            self.grammar is not None
+            and self.grammar.active
+            and (t is None or t.answering or t.opener is not None)
+        )
 
     @property
     def ends_by_length(self) -> bool:

@@ -127,6 +127,7 @@ class ModelRunner:
         sampled = [reqs[i] for i in sampling]
         allowed = self._allowed(sampled)  # on the CPU, while a GPU runs the forward
         banned = [r.banned_ids for r in sampled]
+        forced = [None if r.thinking is None else r.thinking.forced() for r in sampled]
         if allowed is not None:
             assert self.grammars is not None
             self.grammars.keep_ends(*allowed, banned)
@@ -139,6 +140,7 @@ class ModelRunner:
             self.device,
             self.token_counts.penalties(sampled),
             allowed,
+            forced,
         )
         out = self.sampler(logits, meta)
         self.token_counts.update(out.token_ids)
@@ -147,15 +149,18 @@ class ModelRunner:
 
     def _allowed(self, sampled: list[Request]) -> tuple[torch.Tensor, list[int]] | None:
         """The token bitmask of the rows under a grammar, and which rows those are."""
-        rows, grammars = [], []
+        rows, grammars, openers = [], [], []
         for i, r in enumerate(sampled):
-            if r.grammar is not None and r.grammar.active:
+            if r.constrained:
+                assert r.grammar is not None
                 rows.append(i)
                 grammars.append(r.grammar)
+                if r.thinking is not None and r.thinking.opener is not None:
+                    openers.append((i, r.thinking.opener))
         if not rows:
             return None
         assert self.grammars is not None
-        return self.grammars.bitmask(grammars, rows, len(sampled)), rows
+        return self.grammars.bitmask(grammars, rows, len(sampled), openers), rows
 
     def forward(
         self, num_tokens: int, num_reqs: int, decode_only: bool, pending: list[tuple[int, int]] | None = None
