@@ -127,7 +127,11 @@ class ModelRunner:
         sampled = [reqs[i] for i in sampling]
         allowed = self._allowed(sampled)  # on the CPU, while a GPU runs the forward
         banned = [r.banned_ids for r in sampled]
-        forced = [None if r.thinking is None else r.thinking.forced() for r in sampled]
+        forced = {
+            i: token
+            for i, r in enumerate(sampled)
+            if r.thinking is not None and (token := r.thinking.forced()) is not None
+        }
         if allowed is not None:
             assert self.grammars is not None
             self.grammars.keep_ends(*allowed, banned)
@@ -151,8 +155,7 @@ class ModelRunner:
         """The token bitmask of the rows under a grammar, and which rows those are."""
         rows, grammars, openers = [], [], []
         for i, r in enumerate(sampled):
-            if r.constrained:
-                assert r.grammar is not None
+            if r.grammar is not None and r.constrained:
                 rows.append(i)
                 grammars.append(r.grammar)
                 if r.thinking is not None and r.thinking.opener is not None:

@@ -4,7 +4,7 @@ SamplingParams."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -104,12 +104,12 @@ class SamplingMetadata:
         device: torch.device,
         penalties: Penalties | None = None,
         allowed: tuple[torch.Tensor, list[int]] | None = None,
-        forced: Sequence[int | None] = (),
+        forced: dict[int, int] | None = None,
     ) -> SamplingMetadata:
         """penalties: the rows' token histories, needed when some row uses a penalty; allowed: the
-        structured-output rows' token bitmask (kiln.engine.grammar); forced: per row, the one token it
-        must sample, or None (a reasoning budget's closing tag, kiln.engine.thinking). A forced row's
-        logprobs stay the model's own, as vLLM's."""
+        structured-output rows' token bitmask (kiln.engine.grammar); forced: row -> the one token it
+        must sample (a reasoning budget's closing tag, kiln.engine.thinking). A forced row's logprobs stay
+        the model's own, as vLLM's."""
         greedy = [p.greedy for p in params]
 
         # Greedy rows never reach the filters: they count as off, so they don't trigger that work.
@@ -127,18 +127,13 @@ class SamplingMetadata:
         if any(not 0 <= tok < vocab_size for _, tok, _ in bias):
             raise ValueError(f"logit_bias token ids must be in [0, {vocab_size})")
         # A banned id outside the vocabulary can never be sampled anyway.
-        # A forced token wins over bans and allowed_token_ids: the row must have it to draw.
-        force = {row: token for row, token in enumerate(forced) if token is not None}
-        banned = [
-            (row, tok)
-            for row, ids in enumerate(banned_ids)
-            if row not in force
-            for tok in ids
-            if 0 <= tok < vocab_size
-        ]
-        choices = [[force[row]] if row in force else p.allowed_token_ids for row, p in enumerate(params)]
-        only_rows = [row for row, ids in enumerate(choices) if ids is not None]
-        only = [(i, tok) for i, row in enumerate(only_rows) for tok in choices[row] or ()]
+        banned = [(row, tok) for row, ids in enumerate(banned_ids) for tok in ids if 0 <= tok < vocab_size]
+        choices = {row: ids for row, p in enumerate(params) if (ids := p.allowed_token_ids) is not None}
+        if forced:  # a forced token wins over bans and allowed_token_ids: the row must have it to draw
+            banned = [(row, tok) for row, tok in banned if row not in forced]
+            choices |= {row: [token] for row, token in forced.items()}
+        only_rows = sorted(choices)
+        only = [(i, tok) for i, row in enumerate(only_rows) for tok in choices[row]]
 
         def tensor(values: list, dtype: torch.dtype) -> torch.Tensor:
             return to_device(values, dtype, device)
