@@ -111,7 +111,7 @@ SERVE_FLAGS: dict[str, tuple[str, str, dict]] = {
         "enable_auto_tool_choice",
         {"action": "store_true", "help": 'tool_choice "auto", parsed by --tool-call-parser'},
     ),
-    "--tool-call-parser": ("server", "tool_call_parser", {"choices": ["hermes", "llama3_json"]}),
+    "--tool-call-parser": ("server", "tool_call_parser", {"choices": ["hermes", "llama3_json", "mistral"]}),
     "--reasoning-parser": ("model", "reasoning_parser", {"choices": ["deepseek_r1", "qwen3"]}),
     "--enable-request-id-headers": (
         "server",
@@ -119,6 +119,12 @@ SERVE_FLAGS: dict[str, tuple[str, str, dict]] = {
         {"action": "store_true", "help": "an X-Request-Id header on every response"},
     ),
     "--stream-interval": ("server", "stream_interval", {"type": int, "help": "tokens per streamed chunk"}),
+    "--enable-log-requests": (
+        "server",
+        "enable_log_requests",
+        {"action": "store_true", "help": "log each request's prompt and sampling params"},
+    ),
+    "--max-log-len": ("server", "max_log_len", {"type": int, "help": "prompt characters and ids logged"}),
     "--enable-prompt-tokens-details": (
         "server",
         "enable_prompt_tokens_details",

@@ -198,7 +198,7 @@ class ServerConfig(_Section):
     # tool_choice "auto" (the default when a request gives tools): the model's text parsed into calls by
     # tool_call_parser, the format its chat template teaches. Off, "auto" is a 400, as in vLLM.
     enable_auto_tool_choice: bool = False
-    tool_call_parser: Literal["hermes", "llama3_json"] | None = None
+    tool_call_parser: Literal["hermes", "llama3_json", "mistral"] | None = None
     # vLLM's: every response carries an X-Request-Id header, the request's own or a random one.
     enable_request_id_headers: bool = False
     # vLLM's CORS: browsers on these origins may call the server (none by default, as vLLM; "*": any).
@@ -216,6 +216,10 @@ class ServerConfig(_Section):
     # vLLM's: each usage also gives prompt_tokens_details.cached_tokens, the prompt tokens served from the
     # prefix cache.
     enable_prompt_tokens_details: bool = False
+    # vLLM's --enable-log-requests: each request's prompt and sampling params, logged as it is queued;
+    # --max-log-len cuts the prompt's text and ids to that many (null: whole).
+    enable_log_requests: bool = False
+    max_log_len: Annotated[int, Meta(ge=0)] | None = None
 
     @property
     def api_keys(self) -> list[str]:
@@ -224,7 +228,8 @@ class ServerConfig(_Section):
     def __post_init__(self) -> None:
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
             raise ValueError(
-                "server.enable_auto_tool_choice needs server.tool_call_parser (hermes or llama3_json)"
+                "server.enable_auto_tool_choice needs server.tool_call_parser "
+                "(hermes, llama3_json or mistral)"
             )
 
 

@@ -87,6 +87,8 @@ def tiny_server(tmp_path_factory: pytest.TempPathFactory, default_model_dir: Pat
             "tool_call_parser": "hermes",
             "enable_request_id_headers": True,
             "enable_prompt_tokens_details": True,
+            "enable_log_requests": True,
+            "max_log_len": 5,
             **TINY_LIMITS,
         },
     }

@@ -6,6 +6,7 @@ import functools
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
+import msgspec
 from msgspec import UNSET, UnsetType
 from starlette.requests import Request
 from starlette.responses import Response
@@ -72,6 +73,8 @@ async def chat(
     calls = call_schema is not None
     # tool_choice "auto": the model may call a tool, in its own format, which the parser reads.
     auto = parser if body.tools and body.tool_choice in (None, "auto") else None
+    if auto == "mistral":  # its calls follow a special token, which the text must keep (as vLLM does)
+        body = msgspec.structs.replace(body, skip_special_tokens=False)
     so = await constraint(engine, inputs, body, call_schema)
     # As vLLM: tool_choice "none" keeps the tools out of the prompt too.
     tools = body.tools if calls or auto else None
@@ -100,6 +103,7 @@ async def chat(
     # A forced call's JSON follows the thinking, unless constraints hold the whole reply.
     think = None if calls and engine.admission.constrain_thinking else engine.reasoning_parser
     reading = functools.partial(_Reading.start, think, auto, body.include_reasoning)
+    await inputs.log_requests(rid, [ids], [params])
     if body.use_beam_search:
         outputs = await beam_search_all(engine, request, body, rid, [ids], [params])
     else:

@@ -68,6 +68,7 @@ async def create_completion(
     ]
     rid = response_id("cmpl-", request, body.request_id)
     cached = inputs.limits.enable_prompt_tokens_details
+    await inputs.log_requests(rid, [p.ids for p in prompts], params)
     if body.use_beam_search:
         finals = await beam_search_all(engine, request, body, rid, [p.ids for p in prompts], params)
     else:

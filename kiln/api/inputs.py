@@ -9,6 +9,7 @@ import asyncio
 import copy
 import functools
 import inspect
+import logging
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -21,9 +22,10 @@ from kiln.api.protocol import ChatMessage, ChatRender, CompletionRequest, Tool, 
 from kiln.config import ServerConfig
 from kiln.engine.bad_words import MAX_BAD_WORDS
 from kiln.engine.chat_template import render_chat
-from kiln.sampling_params import truncate_prompt
+from kiln.sampling_params import SamplingParams, truncate_prompt
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 # Bodies up to this many bytes are handled on the event loop: tokenizing this much text takes ~10 ms.
 INLINE_SIZE = 16384
@@ -72,6 +74,23 @@ class Inputs:
 
     async def parse(self, data: bytes, kind: type[T]) -> T:
         return await self.run(_parse, data, kind)
+
+    async def log_requests(
+        self, response_id: str, prompts: list[list[int]], params: list[SamplingParams]
+    ) -> None:
+        """vLLM's --enable-log-requests: each prompt (as text and as ids, each cut to max_log_len) and its
+        params, as the engine gets them."""
+        if not self.limits.enable_log_requests:
+            return
+        n = self.limits.max_log_len
+        for i, (ids, p) in enumerate(zip(prompts, params, strict=True)):
+            ids = ids if n is None else ids[:n]
+            text = await self.run(self.tokenizer.decode, ids)
+            name = f"{response_id}-{i}" if len(prompts) > 1 else response_id
+            log.info(
+                "Received request %s: prompt: %r, params: %s, prompt_token_ids: %s",
+                name, text if n is None else text[:n], p, ids,
+            )  # fmt: skip
 
     # -- limits ---------------------------------------------------------------------------------
 

@@ -3,12 +3,17 @@ teaches (`server.tool_call_parser`, vLLM's --tool-call-parser):
 - hermes (Qwen2.5 and 3, Hermes, and most models trained on them): each call a JSON object
   {"name", "arguments"} between <tool_call> tags;
 - llama3_json (Llama 3.1 to 3.3 with JSON tool calling): a reply that is calls starts with a JSON object
-  {"name", "parameters"} (or <|python_tag|>), several separated by ";".
+  {"name", "parameters"} (or <|python_tag|>), several separated by ";";
+- mistral (Mistral and Mixtral instruct models): calls follow the [TOOL_CALLS] token, as a JSON list of
+  {"name", "arguments"} (tokenizers before v11) or as name[ARGS]{...} after each [TOOL_CALLS] (v11 on).
 Each parser reads a choice's text as it comes (`feed`) or whole (`whole`), the same either way."""
 
 from __future__ import annotations
 
 import json
+import secrets
+import string
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -125,6 +130,82 @@ class Llama3JsonTools:
         return content or None, self.calls
 
 
+TOOL_CALLS, ARGS = "[TOOL_CALLS]", "[ARGS]"
+_ALNUM = string.ascii_letters + string.digits
+
+
+def mistral_call_id() -> str:
+    """Mistral's chat templates take only ids of 9 letters and digits in the turns that follow."""
+    return "".join(secrets.choice(_ALNUM) for _ in range(9))
+
+
+@dataclass(slots=True)
+class MistralTools:
+    """One choice's text, as it comes: content until [TOOL_CALLS] (streamed, less a tail that may start
+    the tag), the calls after it, sent whole when the text ends. Calls that do not parse stay in the
+    content as the model wrote them, tag included. The tag is a special token: the request's text keeps
+    special tokens while this parser reads it (as vLLM's mistral parser asks)."""
+
+    text: str = ""  # a tail that may start the tag, or everything from the tag on
+    inside: bool = False  # the tag has come
+    calls: list[ToolCall] = field(default_factory=list)
+
+    def feed(self, delta: str, final: bool) -> tuple[str, list[DeltaToolCall]]:
+        content = ""
+        if self.inside:
+            self.text += delta  # grows: the calls are parsed once whole
+        else:
+            text = self.text + delta
+            start = text.find(TOOL_CALLS)
+            if start < 0:
+                end = len(text) - (0 if final else held(text, TOOL_CALLS))
+                self.text = text[end:]
+                return text[:end], []
+            content, self.text, self.inside = text[:start], text[start:], True
+        if not final:
+            return content, []
+        found = _mistral_calls(self.text)
+        if found is None:
+            return content + self.text, []
+        return content, [_sent(call, self.calls) for call in found]
+
+    def whole(self, text: str) -> tuple[str | None, list[ToolCall]]:
+        content, _ = self.feed(text, final=True)
+        return content or None, self.calls
+
+
+def _mistral_calls(text: str) -> list[ToolCall] | None:
+    """The calls in the text from the first [TOOL_CALLS] on, in either of Mistral's formats."""
+    segments = [s.strip() for s in text.split(TOOL_CALLS)[1:]]
+    if segments and all(ARGS in s for s in segments):  # v11: name[ARGS]{...} after each tag
+        calls = []
+        for s in segments:
+            name, _, args = s.partition(ARGS)
+            call = _call({"name": name.strip(), "arguments": _json(args)}, mistral_call_id)
+            if call is None or not name.strip():
+                return None
+            calls.append(call)
+        return calls
+    value = _json(" ".join(segments))
+    calls = []
+    for item in value if isinstance(value, list) else [value]:
+        call = _call(item, mistral_call_id)
+        if call is None:
+            return None
+        calls.append(call)
+    return calls or None
+
+
+_BAD = object()
+
+
+def _json(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        return _BAD
+
+
 def held(text: str, tag: str) -> int:
     """How many of text's last characters could begin tag: they wait for the next delta."""
     for n in range(min(len(tag) - 1, len(text)), 0, -1):
@@ -133,7 +214,7 @@ def held(text: str, tag: str) -> int:
     return 0
 
 
-def _call(value: Any) -> ToolCall | None:
+def _call(value: Any, make_id: Callable[[], str] = call_id) -> ToolCall | None:
     """A call from its JSON, as text or parsed: {"name", "arguments" (or "parameters")}."""
     if isinstance(value, str):
         try:
@@ -143,9 +224,11 @@ def _call(value: Any) -> ToolCall | None:
     if not isinstance(value, dict) or not isinstance(value.get("name"), str):
         return None
     arguments = value.get("arguments", value.get("parameters", {}))
+    if arguments is _BAD:
+        return None
     if not isinstance(arguments, str):
         arguments = json.dumps(arguments, ensure_ascii=False)
-    return ToolCall(call_id(), FunctionCall(value["name"], arguments))
+    return ToolCall(make_id(), FunctionCall(value["name"], arguments))
 
 
 def _sent(call: ToolCall, calls: list[ToolCall]) -> DeltaToolCall:
@@ -155,7 +238,8 @@ def _sent(call: ToolCall, calls: list[ToolCall]) -> DeltaToolCall:
     return DeltaToolCall(len(calls) - 1, whole, call.id, "function")
 
 
-PARSERS: dict[str, type[HermesTools] | type[Llama3JsonTools]] = {
+PARSERS: dict[str, type[HermesTools] | type[Llama3JsonTools] | type[MistralTools]] = {
     "hermes": HermesTools,
     "llama3_json": Llama3JsonTools,
+    "mistral": MistralTools,
 }

@@ -16,6 +16,7 @@ from typing import Any
 
 from kiln.config import EngineConfig
 from kiln.engine.admission import Admission
+from kiln.engine.bad_words import BadWords
 from kiln.engine.engine import LLMEngine
 from kiln.engine.metrics import Metrics
 from kiln.engine.output import RequestOutput, merge
@@ -36,6 +37,7 @@ class _Add:
     params: SamplingParams
     priority: int
     cache_salt: str | None
+    bad_words: BadWords  # the params' bad words, tokenized when they were checked on the event loop
 
 
 @dataclass(slots=True)
@@ -145,11 +147,11 @@ class AsyncEngine:
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in use")
         self.admission.check_options(priority, cache_salt)
-        self.admission.check_params(params)
+        bad_words = self.admission.check_params(params)
         self.admission.check_prompt(prompt_ids)
         stream = RequestStream(request_id, self, params)
         self._streams[request_id] = stream
-        self._commands.put(_Add(request_id, prompt_ids, params, priority, cache_salt))
+        self._commands.put(_Add(request_id, prompt_ids, params, priority, cache_salt, bad_words))
         return stream
 
     def check_constraint(self, params: StructuredOutputsParams) -> None:
@@ -207,9 +209,8 @@ class AsyncEngine:
             engine.abort(command.request_id)
             return
         try:
-            engine.add_request(
-                command.request_id, command.prompt_ids, command.params, command.priority, command.cache_salt
-            )
+            c = command
+            engine.add_request(c.request_id, c.prompt_ids, c.params, c.priority, c.cache_salt, c.bad_words)
         except ValueError as e:  # checked already on the event loop, so this is a race at most
             self._loop.call_soon_threadsafe(self._fail, command.request_id, e)
 

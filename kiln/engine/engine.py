@@ -16,6 +16,7 @@ from kiln.compile.cache import CompileCache, import_builds, point_caches
 from kiln.compile.lowering import BucketReport
 from kiln.config import EngineConfig
 from kiln.engine.admission import Admission
+from kiln.engine.bad_words import BadWords
 from kiln.engine.block_manager import BlockManager
 from kiln.engine.dummy_steps import DummySteps
 from kiln.engine.grammar import Grammars
@@ -165,15 +166,19 @@ class LLMEngine:
         params: SamplingParams,
         priority: int = 0,
         cache_salt: str | None = None,
+        checked: BadWords | None = None,
     ) -> None:
         """Validates, then queues; raises ValueError (and queues nothing) for a bad prompt, params or
         options. priority: smaller is scheduled sooner (policy "priority"); cache_salt: only requests with
-        the same salt share prefix-cache blocks."""
+        the same salt share prefix-cache blocks. checked: what Admission.check_params returned for these
+        params and options, where a caller checked them already (AsyncEngine, on its event loop)."""
         if request_id in self.output.parents:
             raise ValueError(f"request id {request_id!r} is already in use")
         admission = self.admission
-        admission.check_options(priority, cache_salt)
-        bad_words = admission.check_params(params)
+        bad_words = checked
+        if bad_words is None:
+            admission.check_options(priority, cache_salt)
+            bad_words = admission.check_params(params)
         ids = admission.tokenize(prompt, params)
         children = admission.requests(request_id, ids, params, bad_words, priority, cache_salt)
         parent = Parent(request_id, prompt if isinstance(prompt, str) else None, children)

@@ -335,3 +335,17 @@ def test_served_model_names_and_a_chat_template(
     config = EngineConfig.from_options(str(default_model_dir), chat_template=str(tmp_path / "t.jinja"))
     tokenizer = load_tokenizer(config, default_model_dir)
     assert tokenizer.apply_chat_template(HI, tokenize=False) == "<user>Hi"
+
+
+def test_requests_are_logged_as_vllm_logs_them(tiny_server: Server, default_model_dir: Path) -> None:
+    """--enable-log-requests with --max-log-len 5 (tiny_server's): each request's id, prompt text and ids,
+    each cut to 5, and its params, logged as it is queued."""
+    prompt = "one two three four five six seven eight"
+    client = client_for(tiny_server)
+    logged = {"request_id": "logged"}
+    client.completions.create(model=TINY_NAME, prompt=prompt, max_tokens=3, extra_body=logged)
+    line = next(s for s in tiny_server.output().splitlines() if "Received request cmpl-logged:" in s)
+    tokenizer = AutoTokenizer.from_pretrained(default_model_dir)
+    ids = tokenizer.encode(prompt)[:5]
+    assert f"prompt: {tokenizer.decode(ids)[:5]!r}, params: SamplingParams(" in line
+    assert "max_tokens=3" in line and line.endswith(f"prompt_token_ids: {ids}")

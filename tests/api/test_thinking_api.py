@@ -1,7 +1,8 @@
 """A reasoning model's thinking over HTTP with the OpenAI SDK: a forced tool call follows the thinking
 (as vLLM: the call's constraint holds only the answer), and thinking_token_budget ends the thinking. A
 tiny random model whose tokenizer has <think> and </think> as single tokens, as Qwen3's has, served with
-the qwen3 parser; a logit bias draws it to <think>, which it would not write on its own."""
+the qwen3 parser; a logit bias draws it to <think>, which it would not write on its own. Its tokenizer
+also has Mistral's special [TOOL_CALLS], for the mistral tool parser's special-token text."""
 
 from __future__ import annotations
 
@@ -38,7 +39,8 @@ MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"  # the default model's name, on th
 @pytest.fixture(scope="module")
 def think_model(tmp_path_factory: pytest.TempPathFactory, default_model_dir: Path) -> Path:
     path = tmp_path_factory.mktemp("tiny-think")
-    return build_default_vocab(path, default_model_dir, added=("<think>", "</think>"))
+    added, special = ("<think>", "</think>"), ("[TOOL_CALLS]",)
+    return build_default_vocab(path, default_model_dir, added=added, special=special)
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +49,7 @@ def think_server(tmp_path_factory: pytest.TempPathFactory, think_model: Path) ->
         "model": {"model": str(think_model), "max_model_len": 256, "reasoning_parser": "qwen3"},
         "cache": {"kv_cache_gib": 0.02},
         "compile": {"mode": "eager"},
-        "server": {"api_key": API_KEY},
+        "server": {"api_key": API_KEY, "enable_auto_tool_choice": True, "tool_call_parser": "mistral"},
     }
     srv = start_server(tmp_path_factory.mktemp("serve-think"), config)
     yield srv
@@ -91,6 +93,21 @@ def test_a_forced_call_follows_the_thinking_its_budget_ends(
     assert reasoning == "<think><think>"  # the two tokens of its budget, drawn to <think> by the bias
     assert name == "pick_unit" and json.loads(arguments)["unit"] in ("celsius", "fahrenheit")
     assert reason == "tool_calls"
+
+
+def test_the_mistral_parser_reads_its_special_tag(think_server: Server) -> None:
+    """The tag the mistral parser reads is a special token: tool_choice "auto" keeps special tokens in the
+    text (as vLLM), and what follows the tag, not calls here, stays in the content as written."""
+    client = openai.OpenAI(base_url=f"{think_server.url}/v1", api_key=API_KEY, max_retries=0, timeout=120)
+    (tag,) = post(think_server, "/tokenize", json={"prompt": "[TOOL_CALLS]"}).json()["tokens"]
+    args = dict(
+        model=client.models.list().data[0].id, messages=ASK, max_tokens=3, temperature=0,
+        logit_bias={str(tag): 100},
+    )  # fmt: skip
+    choice = client.chat.completions.create(tools=[UNIT], **args).choices[0]
+    assert choice.message.content == "[TOOL_CALLS]" * 3 and not choice.message.tool_calls
+    assert choice.finish_reason == "length"
+    assert not client.chat.completions.create(**args).choices[0].message.content  # without tools: skipped
 
 
 def test_a_budget_without_a_reasoning_parser_is_a_400(server: Server) -> None:

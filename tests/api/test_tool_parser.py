@@ -4,17 +4,18 @@ deltas, tags split across deltas held back, unclosed and broken calls."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
-from kiln.api.tool_parser import HermesTools, Llama3JsonTools
+from kiln.api.tool_parser import HermesTools, Llama3JsonTools, MistralTools
 
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Zürich"}}\n</tool_call>'
 TEXT = f"Let me check. {CALL}\n<tool_call>\n" + '{"name": "get_time", "parameters": {}}\n</tool_call>\nDone.'
 
 
 def streamed(
-    text: str, size: int, parser: type[HermesTools | Llama3JsonTools] = HermesTools
+    text: str, size: int, parser: type[HermesTools | Llama3JsonTools | MistralTools] = HermesTools
 ) -> tuple[str, list[tuple[str, dict]]]:
     parsed, content, calls = parser(), "", []
     pieces = [text[i : i + size] for i in range(0, len(text), size)]
@@ -70,3 +71,31 @@ def test_llama3_json_calls_content_and_broken_replies(size: int) -> None:
         assert Llama3JsonTools().whole(text) == (text, [])  # a JSON reply that is no call is content
         assert streamed(text, size, Llama3JsonTools) == (text, [])
     assert Llama3JsonTools().feed("<|python", final=False) == ("", [])  # may still open the tag
+
+
+# Mistral's two formats: a JSON list after the tag (tokenizers before v11), name[ARGS]{...} after each tag.
+MISTRAL = {
+    '[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Zürich"}}, {"name": "get_time", '
+    '"arguments": {}}]': "",
+    'Checking.[TOOL_CALLS]get_weather[ARGS]{"city": "Zürich"}[TOOL_CALLS]get_time[ARGS]{}': "Checking.",
+}
+
+
+@pytest.mark.parametrize("size", [1, 5, 1000])
+def test_mistral_calls_in_both_formats(size: int) -> None:
+    want = [("get_weather", {"city": "Zürich"}), ("get_time", {})]
+    for text, before in MISTRAL.items():
+        content, calls = MistralTools().whole(text)
+        assert content == (before or None)
+        assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == want
+        assert all(re.fullmatch("[A-Za-z0-9]{9}", c.id) for c in calls)  # the ids its templates take
+        assert streamed(text, size, MistralTools) == (before, want)
+    for text in (
+        "The weather is fine, [TOOL_CALLS is not the tag.",
+        'Sure.[TOOL_CALLS] [{"name": "f", "arguments": {broken}]',
+        "[TOOL_CALLS]get_weather[ARGS]{broken",
+        '[TOOL_CALLS] [{"answer": 42}]',
+    ):
+        assert MistralTools().whole(text) == (text, [])  # as the model wrote it, tag included
+        assert streamed(text, size, MistralTools) == (text, [])
+    assert MistralTools().feed("Hi [TOOL_", final=False) == ("Hi ", [])  # may still open the tag

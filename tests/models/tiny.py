@@ -85,13 +85,18 @@ def build(name: str, path: Path, head_dim: int | None = None, **overrides: Any) 
 
 
 def build_default_vocab(
-    path: Path, tokenizer_dir: Path, hidden_size: int = 64, added: tuple[str, ...] = ()
+    path: Path,
+    tokenizer_dir: Path,
+    hidden_size: int = 64,
+    added: tuple[str, ...] = (),
+    special: tuple[str, ...] = (),
 ) -> Path:
     """A 2-layer random Llama with the default model's tokenizer and chat template (vocabulary 49,152, and
-    the `added` tokens after it): the API around it is real, and its forward costs next to nothing. Head
-    dim: hidden_size / 4."""
+    the `added` tokens, then the `special` ones, after it): the API around it is real, and its forward
+    costs next to nothing. Head dim: hidden_size / 4."""
     tokenizer = transformers.AutoTokenizer.from_pretrained(tokenizer_dir)
     tokenizer.add_tokens(list(added))
+    tokenizer.add_tokens(list(special), special_tokens=True)
     config = transformers.LlamaConfig(
         **dict(_LLAMA, vocab_size=len(tokenizer), max_position_embeddings=8192, hidden_size=hidden_size),
         bos_token_id=None,
