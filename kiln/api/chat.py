@@ -40,7 +40,7 @@ from kiln.api.serving import (
     token_text,
 )
 from kiln.api.streaming import ChoiceDelta, events, every, sse, stream_interval, usage, usage_asked
-from kiln.api.tool_calls import ToolCallStream, forced_call_schema
+from kiln.api.tool_calls import ToolCallStream, call_id, forced_call_schema, mistral_call_id
 from kiln.api.tool_parser import PARSERS, HermesTools, Llama3JsonTools
 from kiln.engine.async_engine import AsyncEngine
 from kiln.engine.request import PositionLogprobs
@@ -70,6 +70,9 @@ async def chat(
     server = inputs.limits
     parser = server.tool_call_parser if server.enable_auto_tool_choice else None
     call_schema, call_name = forced_call_schema(body, auto=parser is not None)
+    # A forced call's id, in the form the model's template takes back in the next turn.
+    make_id = mistral_call_id if server.tool_call_parser == "mistral" else call_id
+    call_stream = functools.partial(ToolCallStream, call_name, make_id)
     calls = call_schema is not None
     # tool_choice "auto": the model may call a tool, in its own format, which the parser reads.
     auto = parser if body.tools and body.tool_choice in (None, "auto") else None
@@ -110,7 +113,7 @@ async def chat(
         streams = start_all(engine, request, body, rid, [ids], [params])
         if body.stream:
             usage_chunk = functools.partial(ChatCompletionChunk, id=rid, model=model)
-            chunks = _Chunks(rid, model, k, calls, call_name, body, role, echo, reading, prompt_text)
+            chunks = _Chunks(rid, model, k, calls, call_stream, body, role, echo, reading, prompt_text)
             outputs = every(merged(streams), stream_interval(body, server.stream_interval))
             return events(outputs, 1, chunks, usage_chunk, usage_asked(body, cached))
         outputs = await final_outputs(request, streams)
@@ -123,7 +126,7 @@ async def chat(
         r = reading()
         reasoning, content, _ = r.feed(c.text, final=True)
         if calls:
-            call = ToolCallStream(call_name).whole(content)
+            call = call_stream().whole(content)
             message = AssistantMessage(None, role, call, r.reasoning_field(reasoning))
         else:
             if r.called:
@@ -229,7 +232,7 @@ class _Chunks:
         model: str,
         k: int | None,
         calls: bool,
-        call_name: str | None,
+        call_stream: Callable[[], ToolCallStream],
         body: ChatCompletionRequest,
         role: str,
         echo: str,
@@ -242,7 +245,7 @@ class _Chunks:
         self.reading = reading
         self.readings: dict[int, _Reading] = {}  # each choice's
         self.calls: dict[int, ToolCallStream] | None = {} if calls else None
-        self.call_name = call_name
+        self.call_stream = call_stream
         self.as_ids, self.return_ids = body.return_tokens_as_token_ids, body.return_token_ids
         self.opened = False  # the stream's first chunk is out (it carries the prompt's ids and text if asked)
 
@@ -270,7 +273,9 @@ class _Chunks:
             reasoning, content, found = r.feed(c.text, final=c.finish_reason is not None)
             shown = reasoning if r.include_reasoning else ""
             if self.calls is not None:
-                stream = self.calls.setdefault(d.index, ToolCallStream(self.call_name))
+                stream = self.calls.get(d.index)
+                if stream is None:
+                    stream = self.calls[d.index] = self.call_stream()
                 delta = Delta(reasoning=shown or None, tool_calls=stream.feed(content) or None)
             else:
                 if r.plain:

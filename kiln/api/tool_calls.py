@@ -6,7 +6,10 @@ objects, one per call."""
 from __future__ import annotations
 
 import json
+import secrets
+import string
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -71,12 +74,21 @@ def call_id() -> str:
     return f"chatcmpl-tool-{uuid.uuid4().hex}"
 
 
+_ALNUM = string.ascii_letters + string.digits
+
+
+def mistral_call_id() -> str:
+    """Mistral's chat templates take only ids of 9 letters and digits in the turns that follow."""
+    return "".join(secrets.choice(_ALNUM) for _ in range(9))
+
+
 @dataclass(slots=True)
 class ToolCallStream:
     """One choice's text as tool calls. A named call streams its arguments as the model writes them; a
     "required" list sends each call whole once its object is complete."""
 
     name: str | None  # the named function; None: "required"
+    make_id: Callable[[], str] = call_id
     text: str = ""
     calls: list[ToolCall] = field(default_factory=list)
     _scan: int = 0  # where the next call of a "required" list may start
@@ -86,7 +98,7 @@ class ToolCallStream:
         self.text += delta
         if self.name is not None:
             if first:
-                self.calls.append(ToolCall(call_id(), FunctionCall(self.name, "")))
+                self.calls.append(ToolCall(self.make_id(), FunctionCall(self.name, "")))
                 head = DeltaFunction(self.name, delta)
                 return [DeltaToolCall(0, head, self.calls[0].id, "function")]
             return [DeltaToolCall(0, DeltaFunction(arguments=delta))] if delta else []
@@ -103,7 +115,7 @@ class ToolCallStream:
         """Every call in a finished choice's text (a list cut short by max_tokens keeps its whole calls;
         a named call keeps its arguments as written)."""
         if self.name is not None:
-            return [ToolCall(call_id(), FunctionCall(self.name, text))]
+            return [ToolCall(self.make_id(), FunctionCall(self.name, text))]
         self.text = text
         self.calls = self._complete_calls()
         return self.calls
@@ -121,4 +133,4 @@ class ToolCallStream:
             self._scan = end
             if isinstance(value, dict) and isinstance(value.get("name"), str):
                 arguments = json.dumps(value.get("parameters", {}), ensure_ascii=False)
-                out.append(ToolCall(call_id(), FunctionCall(value["name"], arguments)))
+                out.append(ToolCall(self.make_id(), FunctionCall(value["name"], arguments)))

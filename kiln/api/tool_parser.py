@@ -11,15 +11,13 @@ Each parser reads a choice's text as it comes (`feed`) or whole (`whole`), the s
 from __future__ import annotations
 
 import json
-import secrets
-import string
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from kiln.api.protocol import FunctionCall, ToolCall
 from kiln.api.responses import DeltaFunction, DeltaToolCall
-from kiln.api.tool_calls import call_id
+from kiln.api.tool_calls import call_id, mistral_call_id
 
 
 @dataclass(slots=True)
@@ -131,12 +129,6 @@ class Llama3JsonTools:
 
 
 TOOL_CALLS, ARGS = "[TOOL_CALLS]", "[ARGS]"
-_ALNUM = string.ascii_letters + string.digits
-
-
-def mistral_call_id() -> str:
-    """Mistral's chat templates take only ids of 9 letters and digits in the turns that follow."""
-    return "".join(secrets.choice(_ALNUM) for _ in range(9))
 
 
 @dataclass(slots=True)

@@ -7,6 +7,7 @@ also has Mistral's special [TOOL_CALLS], for the mistral tool parser's special-t
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -82,17 +83,20 @@ def test_a_forced_call_follows_the_thinking_its_budget_ends(
         calls = [call for d in deltas for call in d.tool_calls or []]
         name = "".join(c.function.name or "" for c in calls if c.function)
         arguments = "".join(c.function.arguments or "" for c in calls if c.function)
+        ids = [c.id for c in calls if c.id]
         reason = [c.choices[0].finish_reason for c in chunks if c.choices][-1]
         assert not any(d.content for d in deltas)
     else:
         choice = client.chat.completions.create(**args).choices[0]
         reasoning, reason = choice.message.reasoning, choice.finish_reason  # type: ignore[attr-defined]
         (call,) = choice.message.tool_calls
-        name, arguments = call.function.name, call.function.arguments
+        name, arguments, ids = call.function.name, call.function.arguments, [call.id]
         assert choice.message.content is None
     assert reasoning == "<think><think>"  # the two tokens of its budget, drawn to <think> by the bias
     assert name == "pick_unit" and json.loads(arguments)["unit"] in ("celsius", "fahrenheit")
     assert reason == "tool_calls"
+    # The server's tool parser is mistral: the call's id is one Mistral's templates take back.
+    assert len(ids) == 1 and re.fullmatch("[A-Za-z0-9]{9}", ids[0])
 
 
 def test_the_mistral_parser_reads_its_special_tag(think_server: Server) -> None:
