@@ -111,7 +111,11 @@ SERVE_FLAGS: dict[str, tuple[str, str, dict]] = {
         "enable_auto_tool_choice",
         {"action": "store_true", "help": 'tool_choice "auto", parsed by --tool-call-parser'},
     ),
-    "--tool-call-parser": ("server", "tool_call_parser", {"choices": ["hermes", "llama3_json", "mistral"]}),
+    "--tool-call-parser": (
+        "server",
+        "tool_call_parser",
+        {"choices": ["hermes", "llama3_json", "mistral", "qwen3_coder"]},
+    ),
     "--reasoning-parser": ("model", "reasoning_parser", {"choices": ["deepseek_r1", "qwen3"]}),
     "--enable-request-id-headers": (
         "server",

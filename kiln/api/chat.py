@@ -14,7 +14,7 @@ from starlette.responses import Response
 from kiln.api.beam_search import beam_search_all, check_beam_search
 from kiln.api.errors import APIError
 from kiln.api.inputs import Inputs
-from kiln.api.protocol import ChatCompletionRequest, TextPart
+from kiln.api.protocol import ChatCompletionRequest, TextPart, Tool
 from kiln.api.reasoning import ThinkSplit
 from kiln.api.responses import (
     AssistantMessage,
@@ -41,7 +41,7 @@ from kiln.api.serving import (
 )
 from kiln.api.streaming import ChoiceDelta, events, every, sse, stream_interval, usage, usage_asked
 from kiln.api.tool_calls import ToolCallStream, call_id, forced_call_schema, mistral_call_id
-from kiln.api.tool_parser import PARSERS, HermesTools, Llama3JsonTools
+from kiln.api.tool_parser import HermesTools, Llama3JsonTools, MistralTools, parser_for
 from kiln.engine.async_engine import AsyncEngine
 from kiln.engine.request import PositionLogprobs
 from kiln.sampling_params import truncate_prompt
@@ -105,7 +105,7 @@ async def chat(
     rid = response_id("chatcmpl-", request, body.request_id)
     # A forced call's JSON follows the thinking, unless constraints hold the whole reply.
     think = None if calls and engine.admission.constrain_thinking else engine.reasoning_parser
-    reading = functools.partial(_Reading.start, think, auto, body.include_reasoning)
+    reading = functools.partial(_Reading.start, think, auto, body.tools or [], body.include_reasoning)
     await inputs.log_requests(rid, [ids], [params])
     if body.use_beam_search:
         outputs = await beam_search_all(engine, request, body, rid, [ids], [params])
@@ -186,14 +186,16 @@ class _Reading:
     then the calls the model chose (tool_choice "auto"), the rest content (or a forced call's JSON)."""
 
     think: ThinkSplit | None
-    auto: HermesTools | Llama3JsonTools | None
+    auto: HermesTools | Llama3JsonTools | MistralTools | None
     include_reasoning: bool
 
     @classmethod
-    def start(cls, think: str | None, auto: str | None, include_reasoning: bool) -> _Reading:
+    def start(
+        cls, think: str | None, auto: str | None, tools: list[Tool], include_reasoning: bool
+    ) -> _Reading:
         return cls(
             None if think is None else ThinkSplit(think),
-            None if auto is None else PARSERS[auto](),
+            None if auto is None else parser_for(auto, tools),
             include_reasoning,
         )
 

@@ -5,17 +5,23 @@ teaches (`server.tool_call_parser`, vLLM's --tool-call-parser):
 - llama3_json (Llama 3.1 to 3.3 with JSON tool calling): a reply that is calls starts with a JSON object
   {"name", "parameters"} (or <|python_tag|>), several separated by ";";
 - mistral (Mistral and Mixtral instruct models): calls follow the [TOOL_CALLS] token, as a JSON list of
-  {"name", "arguments"} (tokenizers before v11) or as name[ARGS]{...} after each [TOOL_CALLS] (v11 on).
+  {"name", "arguments"} (tokenizers before v11) or as name[ARGS]{...} after each [TOOL_CALLS] (v11 on);
+- qwen3_coder (Qwen3-Coder): hermes' tags around <function=NAME> with a <parameter=KEY> element per
+  argument, each value typed by the tool's JSON schema.
 Each parser reads a choice's text as it comes (`feed`) or whole (`whole`), the same either way."""
 
 from __future__ import annotations
 
+import ast
+import functools
 import json
+import math
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from kiln.api.protocol import FunctionCall, ToolCall
+from kiln.api.protocol import FunctionCall, Tool, ToolCall
 from kiln.api.responses import DeltaFunction, DeltaToolCall
 from kiln.api.tool_calls import call_id, mistral_call_id
 
@@ -27,6 +33,7 @@ class HermesTools:
     text ends). As vLLM's hermes parser, text after the first call's tag is not content. A call whose JSON
     does not parse stays in the content as the model wrote it; vLLM then makes the whole reply content."""
 
+    read: Callable[[str], ToolCall | None] | None = None  # a call's text into a call; None: its JSON
     text: str = ""  # what is not yet handled: an open call's text, or a tail that may start a tag
     inside: bool = False  # within a call's tags
     calls: list[ToolCall] = field(default_factory=list)
@@ -54,7 +61,7 @@ class HermesTools:
             if stop < 0 and not final:
                 break
             body = text[self.pos : stop if stop >= 0 else len(text)]
-            call = _call(body)
+            call = (self.read or _call)(body)
             if call is None:
                 content.append(opening + body + (closing if stop >= 0 else ""))
             else:
@@ -228,6 +235,66 @@ def _sent(call: ToolCall, calls: list[ToolCall]) -> DeltaToolCall:
     calls.append(call)
     whole = DeltaFunction(call.function.name, call.function.arguments)
     return DeltaToolCall(len(calls) - 1, whole, call.id, "function")
+
+
+_FUNCTION = re.compile(r"<function=([^>\n]+)>(.*?)(?:</function>|$)", re.S)
+_PARAMETER = re.compile(r"<parameter=([^>\n]+)>(.*?)(?:</parameter>|(?=<parameter=)|$)", re.S)
+
+
+def _xml_call(body: str, schemas: dict[str, dict[str, Any]]) -> ToolCall | None:
+    """Qwen3-Coder's call: <function=NAME> with <parameter=KEY>VALUE</parameter> elements (a parameter
+    left open ends at the next one or the function's end, as vLLM reads it)."""
+    function = _FUNCTION.search(body)
+    if function is None:
+        return None
+    name, properties = function[1].strip(), schemas.get(function[1].strip(), {})
+    arguments = {}
+    for p in _PARAMETER.finditer(function[2]):
+        value = p[2].removeprefix("\n").removesuffix("\n")
+        arguments[p[1].strip()] = _typed(value, properties.get(p[1].strip()))
+    return ToolCall(call_id(), FunctionCall(name, json.dumps(arguments, ensure_ascii=False)))
+
+
+def _typed(value: str, schema: Any) -> Any:
+    """A parameter's text as its schema's type, as vLLM's qwen3_coder parser reads it: a string where the
+    schema says so or says nothing, else the number, boolean, null or JSON the text holds (the text itself
+    where it holds none)."""
+    if not isinstance(schema, dict):
+        return value
+    kinds = schema.get("type") or [o.get("type") for o in schema.get("anyOf", ()) if isinstance(o, dict)]
+    kinds = [kinds] if isinstance(kinds, str) else [k for k in kinds if isinstance(k, str)]
+    if "null" in kinds and value.lower() in ("null", "none"):
+        return None
+    kind = next((k for k in kinds if k != "null"), "string")
+    if kind == "string":
+        return value
+    if value.lower() in ("null", "none"):
+        return None
+    try:
+        if kind == "integer":
+            return int(value)
+        if kind == "number":
+            number = float(value)
+            if not math.isfinite(number):
+                return value  # JSON has no infinities
+            return int(number) if number.is_integer() else number
+        if kind == "boolean":
+            return value.strip().lower() == "true"
+        return json.loads(value)
+    except ValueError:
+        try:
+            return ast.literal_eval(value)
+        except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
+            return value
+
+
+def parser_for(name: str, tools: list[Tool]) -> HermesTools | Llama3JsonTools | MistralTools:
+    """The `tool_call_parser` named, for a request with these tools (qwen3_coder types the values by
+    their schemas)."""
+    if name == "qwen3_coder":
+        schemas = {t.function.name: (t.function.parameters or {}).get("properties", {}) for t in tools}
+        return HermesTools(functools.partial(_xml_call, schemas=schemas))
+    return PARSERS[name]()
 
 
 PARSERS: dict[str, type[HermesTools] | type[Llama3JsonTools] | type[MistralTools]] = {

@@ -8,7 +8,8 @@ import re
 
 import pytest
 
-from kiln.api.tool_parser import HermesTools, Llama3JsonTools, MistralTools
+from kiln.api.protocol import FunctionDefinition, Tool
+from kiln.api.tool_parser import HermesTools, Llama3JsonTools, MistralTools, parser_for
 
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Zürich"}}\n</tool_call>'
 TEXT = f"Let me check. {CALL}\n<tool_call>\n" + '{"name": "get_time", "parameters": {}}\n</tool_call>\nDone.'
@@ -99,3 +100,59 @@ def test_mistral_calls_in_both_formats(size: int) -> None:
         assert MistralTools().whole(text) == (text, [])  # as the model wrote it, tag included
         assert streamed(text, size, MistralTools) == (text, [])
     assert MistralTools().feed("Hi [TOOL_", final=False) == ("Hi ", [])  # may still open the tag
+
+
+CODER_TOOLS = [
+    Tool(
+        "function",
+        FunctionDefinition(
+            "edit",
+            parameters={
+                "type": "object",
+                "properties": {
+                    "path": {"type": "string"},
+                    "line": {"type": "integer"},
+                    "scale": {"type": "number"},
+                    "dry_run": {"type": "boolean"},
+                    "tags": {"type": "array"},
+                    "note": {"anyOf": [{"type": "string"}, {"type": "null"}]},
+                },
+            },
+        ),
+    )
+]
+CODER = (
+    "I will edit it.\n<tool_call>\n<function=edit>\n<parameter=path>\nsrc/a.py\n</parameter>\n"
+    "<parameter=line>\n42\n</parameter>\n<parameter=scale>\n1.5\n</parameter>\n"
+    '<parameter=dry_run>\nTrue\n</parameter>\n<parameter=tags>\n["x", 1]\n</parameter>\n'
+    "<parameter=note>\nnull\n</parameter>\n<parameter=extra>\n007\n</parameter>\n</function>\n</tool_call>\n"
+    "<tool_call>\n<function=edit>\n<parameter=path>\nline one\nline two\n</parameter>\n</function>\n"
+    "</tool_call>"
+)
+
+
+@pytest.mark.parametrize("size", [1, 6, 1000])
+def test_qwen3_coder_calls_typed_by_their_schemas(size: int) -> None:
+    """Each value as its parameter's type (a string where the schema says nothing, as `extra`); a value
+    keeps its inner newlines."""
+    first = {"path": "src/a.py", "line": 42, "scale": 1.5, "dry_run": True, "tags": ["x", 1], "note": None}
+    want = [("edit", first | {"extra": "007"}), ("edit", {"path": "line one\nline two"})]
+    content, calls = parser_for("qwen3_coder", CODER_TOOLS).whole(CODER)
+    assert content == "I will edit it.\n"
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == want
+    parsed, got, deltas = parser_for("qwen3_coder", CODER_TOOLS), "", []
+    pieces = [CODER[i : i + size] for i in range(0, len(CODER), size)]
+    for i, piece in enumerate(pieces):
+        text, new = parsed.feed(piece, final=i == len(pieces) - 1)
+        got, deltas = got + text, deltas + [(d.function.name, json.loads(d.function.arguments)) for d in new]
+    assert (got, deltas) == ("I will edit it.\n", want)
+    # Not a call: left in the content as written, as hermes leaves bad JSON.
+    text = "<tool_call>\nno function here\n</tool_call>"
+    assert parser_for("qwen3_coder", CODER_TOOLS).whole(text) == (text, [])
+    # A value that is not its type stays text; an unknown tool's values are all text.
+    odd = "<tool_call><function=edit><parameter=line>forty</parameter></function></tool_call>"
+    assert json.loads(parser_for("qwen3_coder", CODER_TOOLS).whole(odd)[1][0].function.arguments) == {
+        "line": "forty"
+    }
+    other = "<tool_call><function=ls><parameter=n>3</parameter></function></tool_call>"
+    assert json.loads(parser_for("qwen3_coder", []).whole(other)[1][0].function.arguments) == {"n": "3"}
