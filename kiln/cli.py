@@ -114,7 +114,7 @@ SERVE_FLAGS: dict[str, tuple[str, str, dict]] = {
     "--tool-call-parser": (
         "server",
         "tool_call_parser",
-        {"choices": ["hermes", "llama3_json", "mistral", "qwen3_coder"]},
+        {"choices": ["hermes", "llama3_json", "mistral", "qwen3_coder", "pythonic"]},
     ),
     "--reasoning-parser": ("model", "reasoning_parser", {"choices": ["deepseek_r1", "qwen3"]}),
     "--enable-request-id-headers": (

@@ -198,7 +198,7 @@ class ServerConfig(_Section):
     # tool_choice "auto" (the default when a request gives tools): the model's text parsed into calls by
     # tool_call_parser, the format its chat template teaches. Off, "auto" is a 400, as in vLLM.
     enable_auto_tool_choice: bool = False
-    tool_call_parser: Literal["hermes", "llama3_json", "mistral", "qwen3_coder"] | None = None
+    tool_call_parser: Literal["hermes", "llama3_json", "mistral", "qwen3_coder", "pythonic"] | None = None
     # vLLM's: every response carries an X-Request-Id header, the request's own or a random one.
     enable_request_id_headers: bool = False
     # vLLM's CORS: browsers on these origins may call the server (none by default, as vLLM; "*": any).
@@ -229,7 +229,7 @@ class ServerConfig(_Section):
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
             raise ValueError(
                 "server.enable_auto_tool_choice needs server.tool_call_parser "
-                "(hermes, llama3_json, mistral or qwen3_coder)"
+                "(hermes, llama3_json, mistral, qwen3_coder or pythonic)"
             )
 
 

@@ -41,7 +41,7 @@ from kiln.api.serving import (
 )
 from kiln.api.streaming import ChoiceDelta, events, every, sse, stream_interval, usage, usage_asked
 from kiln.api.tool_calls import ToolCallStream, call_id, forced_call_schema, mistral_call_id
-from kiln.api.tool_parser import HermesTools, Llama3JsonTools, MistralTools, parser_for
+from kiln.api.tool_parser import Parser, parser_for
 from kiln.engine.async_engine import AsyncEngine
 from kiln.engine.request import PositionLogprobs
 from kiln.sampling_params import truncate_prompt
@@ -186,7 +186,7 @@ class _Reading:
     then the calls the model chose (tool_choice "auto"), the rest content (or a forced call's JSON)."""
 
     think: ThinkSplit | None
-    auto: HermesTools | Llama3JsonTools | MistralTools | None
+    auto: Parser | None
     include_reasoning: bool
 
     @classmethod

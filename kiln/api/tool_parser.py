@@ -7,7 +7,8 @@ teaches (`server.tool_call_parser`, vLLM's --tool-call-parser):
 - mistral (Mistral and Mixtral instruct models): calls follow the [TOOL_CALLS] token, as a JSON list of
   {"name", "arguments"} (tokenizers before v11) or as name[ARGS]{...} after each [TOOL_CALLS] (v11 on);
 - qwen3_coder (Qwen3-Coder): hermes' tags around <function=NAME> with a <parameter=KEY> element per
-  argument, each value typed by the tool's JSON schema.
+  argument, each value typed by the tool's JSON schema;
+- pythonic (Llama 3.2 and 4): a reply that is calls is a Python list of them, [f(a=1), g()].
 Each parser reads a choice's text as it comes (`feed`) or whole (`whole`), the same either way."""
 
 from __future__ import annotations
@@ -82,13 +83,13 @@ PYTHON_TAG = "<|python_tag|>"
 
 
 @dataclass(slots=True)
-class Llama3JsonTools:
-    """One choice's text, as it comes: content where it does not start with a JSON object (or
-    <|python_tag|>), streamed as it comes; calls where it does, sent whole when the text ends, if all of it
-    parses as calls separated by ";" (else the whole reply is content, as vLLM's llama3_json makes it).
-    Unlike vLLM's whole-reply parser, a JSON object after some text is content, as its streaming parser
-    has it, so both ways of reading a reply agree."""
+class ReplyOfCalls:
+    """A reply that is all calls or all content, decided by how it begins: content where it does not begin
+    as calls do, streamed as it comes; calls where it does, sent whole when the text ends, if all of it
+    parses (else the whole reply is content, as vLLM's parsers make it). llama3_json and pythonic."""
 
+    opens: tuple[str, ...]  # how a reply of calls begins (after any whitespace)
+    parse: Callable[[str], list[ToolCall] | None]  # the whole reply into its calls, or None
     pieces: list[str] = field(default_factory=list)  # the text not yet sent, joined only at the end
     mode: str = ""  # "" undecided, "content" or "calls"
     calls: list[ToolCall] = field(default_factory=list)
@@ -97,9 +98,9 @@ class Llama3JsonTools:
         self.pieces.append(delta)
         if not self.mode:
             head = "".join(self.pieces).lstrip()  # short: undecided only until the reply's first characters
-            if head.startswith((PYTHON_TAG, "{")):
+            if head.startswith(self.opens):
                 self.mode = "calls"
-            elif final or (head and not PYTHON_TAG.startswith(head)):
+            elif final or (head and not any(o.startswith(head) for o in self.opens)):
                 self.mode = "content"
         if self.mode == "content":
             content, self.pieces = "".join(self.pieces), []
@@ -107,32 +108,65 @@ class Llama3JsonTools:
         if not final:
             return "", []
         text, self.pieces = "".join(self.pieces), []
-        found = self._parse(text)
+        found = self.parse(text)
         if found is None:
             self.mode = "content"
             return text, []
         return "", [_sent(call, self.calls) for call in found]
 
-    def _parse(self, text: str) -> list[ToolCall] | None:
-        text, decoder, found = text.lstrip(), json.JSONDecoder(), []
-        pos = len(PYTHON_TAG) if text.startswith(PYTHON_TAG) else 0
-        while True:
-            while pos < len(text) and text[pos] in " \t\r\n;":
-                pos += 1
-            if pos == len(text):
-                return found or None
-            try:
-                value, pos = decoder.raw_decode(text, pos)
-            except ValueError:
-                return None
-            call = _call(value)
-            if call is None:
-                return None
-            found.append(call)
-
     def whole(self, text: str) -> tuple[str | None, list[ToolCall]]:
         content, _ = self.feed(text, final=True)
         return content or None, self.calls
+
+
+def _llama3_calls(text: str) -> list[ToolCall] | None:
+    """Llama 3.1-3.3: {"name", "parameters"} objects separated by ";", after an optional <|python_tag|>.
+    Unlike vLLM's whole-reply parser, a JSON object after some text is content, as its streaming parser
+    has it, so both ways of reading a reply agree."""
+    text, decoder, found = text.lstrip(), json.JSONDecoder(), []
+    pos = len(PYTHON_TAG) if text.startswith(PYTHON_TAG) else 0
+    while True:
+        while pos < len(text) and text[pos] in " \t\r\n;":
+            pos += 1
+        if pos == len(text):
+            return found or None
+        try:
+            value, pos = decoder.raw_decode(text, pos)
+        except ValueError:
+            return None
+        call = _call(value)
+        if call is None:
+            return None
+        found.append(call)
+
+
+PYTHON_START, PYTHON_END = "<|python_start|>", "<|python_end|>"
+
+
+def _pythonic_calls(text: str) -> list[ToolCall] | None:
+    """Llama 3.2 and 4's pythonic calls: a Python list of calls with keyword arguments, each a literal,
+    `[get_weather(city="Paris"), get_time()]` (Llama 4 may wrap it in <|python_start|> and <|python_end|>).
+    Parsed, never run."""
+    text = text.strip().removeprefix(PYTHON_START).removesuffix(PYTHON_END).strip()
+    try:
+        tree = ast.parse(text, mode="eval").body
+    except (SyntaxError, ValueError, MemoryError, RecursionError):
+        return None
+    if not isinstance(tree, ast.List) or not tree.elts:
+        return None
+    found = []
+    for node in tree.elts:
+        if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Name) or node.args:
+            return None
+        try:
+            arguments = {k.arg: ast.literal_eval(k.value) for k in node.keywords if k.arg is not None}
+            text = json.dumps(arguments, ensure_ascii=False)
+        except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+            return None
+        if len(arguments) < len(node.keywords):  # a **mapping: no literal names
+            return None
+        found.append(ToolCall(call_id(), FunctionCall(node.func.id, text)))
+    return found
 
 
 TOOL_CALLS, ARGS = "[TOOL_CALLS]", "[ARGS]"
@@ -288,17 +322,19 @@ def _typed(value: str, schema: Any) -> Any:
             return value
 
 
-def parser_for(name: str, tools: list[Tool]) -> HermesTools | Llama3JsonTools | MistralTools:
+Parser = HermesTools | ReplyOfCalls | MistralTools
+
+
+def parser_for(name: str, tools: list[Tool]) -> Parser:
     """The `tool_call_parser` named, for a request with these tools (qwen3_coder types the values by
     their schemas)."""
     if name == "qwen3_coder":
         schemas = {t.function.name: (t.function.parameters or {}).get("properties", {}) for t in tools}
         return HermesTools(functools.partial(_xml_call, schemas=schemas))
-    return PARSERS[name]()
-
-
-PARSERS: dict[str, type[HermesTools] | type[Llama3JsonTools] | type[MistralTools]] = {
-    "hermes": HermesTools,
-    "llama3_json": Llama3JsonTools,
-    "mistral": MistralTools,
-}
+    if name == "llama3_json":
+        return ReplyOfCalls((PYTHON_TAG, "{"), _llama3_calls)
+    if name == "pythonic":
+        return ReplyOfCalls((PYTHON_START, "["), _pythonic_calls)
+    if name == "mistral":
+        return MistralTools()
+    return HermesTools()

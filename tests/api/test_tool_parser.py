@@ -9,16 +9,16 @@ import re
 import pytest
 
 from kiln.api.protocol import FunctionDefinition, Tool
-from kiln.api.tool_parser import HermesTools, Llama3JsonTools, MistralTools, parser_for
+from kiln.api.tool_parser import HermesTools, MistralTools, parser_for
 
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Zürich"}}\n</tool_call>'
 TEXT = f"Let me check. {CALL}\n<tool_call>\n" + '{"name": "get_time", "parameters": {}}\n</tool_call>\nDone.'
 
 
 def streamed(
-    text: str, size: int, parser: type[HermesTools | Llama3JsonTools | MistralTools] = HermesTools
+    text: str, size: int, parser: str = "hermes", tools: list[Tool] | None = None
 ) -> tuple[str, list[tuple[str, dict]]]:
-    parsed, content, calls = parser(), "", []
+    parsed, content, calls = parser_for(parser, tools or []), "", []
     pieces = [text[i : i + size] for i in range(0, len(text), size)]
     for i, piece in enumerate(pieces):
         got, deltas = parsed.feed(piece, final=i == len(pieces) - 1)
@@ -58,20 +58,21 @@ LLAMA = '{"name": "get_weather", "parameters": {"city": "Zürich"}}; {"name": "g
 def test_llama3_json_calls_content_and_broken_replies(size: int) -> None:
     want = [("get_weather", {"city": "Zürich"}), ("get_time", {})]
     for text in (LLAMA, "<|python_tag|>" + LLAMA, "  " + LLAMA + "\n"):
-        content, calls = Llama3JsonTools().whole(text)
+        content, calls = parser_for("llama3_json", []).whole(text)
         assert (
             content is None and [(c.function.name, json.loads(c.function.arguments)) for c in calls] == want
         )
-        assert streamed(text, size, Llama3JsonTools) == ("", want)
+        assert streamed(text, size, "llama3_json") == ("", want)
     for text in (
         "The weather is fine.",
         'Here: {"name": "f", "parameters": {}}',
         '{"answer": 42}',
         "{broken",
     ):
-        assert Llama3JsonTools().whole(text) == (text, [])  # a JSON reply that is no call is content
-        assert streamed(text, size, Llama3JsonTools) == (text, [])
-    assert Llama3JsonTools().feed("<|python", final=False) == ("", [])  # may still open the tag
+        # A JSON reply that is no call is content.
+        assert parser_for("llama3_json", []).whole(text) == (text, [])
+        assert streamed(text, size, "llama3_json") == (text, [])
+    assert parser_for("llama3_json", []).feed("<|python", final=False) == ("", [])  # may still open the tag
 
 
 # Mistral's two formats: a JSON list after the tag (tokenizers before v11), name[ARGS]{...} after each tag.
@@ -90,7 +91,7 @@ def test_mistral_calls_in_both_formats(size: int) -> None:
         assert content == (before or None)
         assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == want
         assert all(re.fullmatch("[A-Za-z0-9]{9}", c.id) for c in calls)  # the ids its templates take
-        assert streamed(text, size, MistralTools) == (before, want)
+        assert streamed(text, size, "mistral") == (before, want)
     for text in (
         "The weather is fine, [TOOL_CALLS is not the tag.",
         'Sure.[TOOL_CALLS] [{"name": "f", "arguments": {broken}]',
@@ -98,7 +99,7 @@ def test_mistral_calls_in_both_formats(size: int) -> None:
         '[TOOL_CALLS] [{"answer": 42}]',
     ):
         assert MistralTools().whole(text) == (text, [])  # as the model wrote it, tag included
-        assert streamed(text, size, MistralTools) == (text, [])
+        assert streamed(text, size, "mistral") == (text, [])
     assert MistralTools().feed("Hi [TOOL_", final=False) == ("Hi ", [])  # may still open the tag
 
 
@@ -140,12 +141,7 @@ def test_qwen3_coder_calls_typed_by_their_schemas(size: int) -> None:
     content, calls = parser_for("qwen3_coder", CODER_TOOLS).whole(CODER)
     assert content == "I will edit it.\n"
     assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == want
-    parsed, got, deltas = parser_for("qwen3_coder", CODER_TOOLS), "", []
-    pieces = [CODER[i : i + size] for i in range(0, len(CODER), size)]
-    for i, piece in enumerate(pieces):
-        text, new = parsed.feed(piece, final=i == len(pieces) - 1)
-        got, deltas = got + text, deltas + [(d.function.name, json.loads(d.function.arguments)) for d in new]
-    assert (got, deltas) == ("I will edit it.\n", want)
+    assert streamed(CODER, size, "qwen3_coder", CODER_TOOLS) == ("I will edit it.\n", want)
     # Not a call: left in the content as written, as hermes leaves bad JSON.
     text = "<tool_call>\nno function here\n</tool_call>"
     assert parser_for("qwen3_coder", CODER_TOOLS).whole(text) == (text, [])
@@ -156,3 +152,27 @@ def test_qwen3_coder_calls_typed_by_their_schemas(size: int) -> None:
     }
     other = "<tool_call><function=ls><parameter=n>3</parameter></function></tool_call>"
     assert json.loads(parser_for("qwen3_coder", []).whole(other)[1][0].function.arguments) == {"n": "3"}
+
+
+PYTHONIC = '[get_weather(city="Zürich", days=[1, 2], metric=True), get_time()]'
+
+
+@pytest.mark.parametrize("size", [1, 4, 1000])
+def test_pythonic_calls_and_what_is_content(size: int) -> None:
+    want = [("get_weather", {"city": "Zürich", "days": [1, 2], "metric": True}), ("get_time", {})]
+    for text in (PYTHONIC, f"<|python_start|>{PYTHONIC}<|python_end|>", f"  {PYTHONIC}\n"):
+        content, calls = parser_for("pythonic", []).whole(text)
+        assert content is None
+        assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == want
+        assert streamed(text, size, "pythonic") == ("", want)
+    for text in (
+        "Sure, here it is.",
+        "[1, 2, 3]",  # a list, not calls
+        '[get_weather("Paris")]',  # a positional argument: no name to give it
+        "[os.system(cmd='ls')]",  # not a plain name
+        "[f(x=open('a'))]",  # not a literal: parsed, never run
+        "[f(**kw)]",
+        "[get_weather(city=",  # cut by max_tokens
+    ):
+        assert parser_for("pythonic", []).whole(text) == (text, [])
+        assert streamed(text, size, "pythonic") == (text, [])
