@@ -128,6 +128,11 @@ SERVE_FLAGS: dict[str, tuple[str, str, dict]] = {
         "enable_log_requests",
         {"action": "store_true", "help": "log each request's prompt and sampling params"},
     ),
+    "--disable-log-stats": (
+        "server",
+        "disable_log_stats",
+        {"action": "store_true", "help": "no periodic throughput and queue line"},
+    ),
     "--max-log-len": ("server", "max_log_len", {"type": int, "help": "prompt characters and ids logged"}),
     "--enable-prompt-tokens-details": (
         "server",

@@ -38,6 +38,7 @@ from kiln.api.responses_api import create_response
 from kiln.api.responses_protocol import ResponsesRequest
 from kiln.config import ServeConfig
 from kiln.engine.async_engine import AsyncEngine
+from kiln.engine.stats_log import StatsLog
 from kiln.version import VERSION
 
 log = logging.getLogger(__name__)
@@ -78,6 +79,7 @@ class App:
         self.imports = imports
         self.engine: AsyncEngine | None = None
         self.inputs: Inputs | None = None  # built with the engine: it needs the tokenizer
+        self.stats_task: asyncio.Task[None] | None = None
         self.draining = False
         self.stopped = asyncio.Event()  # set when the server should close
         self.exit_code = 0
@@ -114,6 +116,8 @@ class App:
         start = asyncio.create_task(self._start_engine())
         yield
         start.cancel()
+        if self.stats_task is not None:
+            self.stats_task.cancel()
         if self.inputs is not None:
             self.inputs.close()
         if self.engine is not None:
@@ -137,6 +141,15 @@ class App:
         self.engine = engine
         yield_to_engine(self.config.server.loop_nice)
         self._log_ready()
+        if not self.config.server.disable_log_stats:
+            self.stats_task = asyncio.create_task(self._log_stats(engine))
+
+    async def _log_stats(self, engine: AsyncEngine) -> None:
+        interval = self.config.server.log_stats_interval
+        stats = StatsLog(engine.metrics, time.monotonic())
+        while True:
+            await asyncio.sleep(interval)
+            stats.emit(time.monotonic(), engine.engine.stats())
 
     def _log_ready(self) -> None:
         assert self.engine is not None

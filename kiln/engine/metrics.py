@@ -113,5 +113,13 @@ class Metrics:
     def finished(self, reason: str) -> None:
         self._success.labels(self.model_name, reason).inc()
 
+    def token_totals(self) -> tuple[float, float]:
+        """Prompt and generated tokens so far."""
+        labels = {"model_name": self.model_name}
+        read = self.registry.get_sample_value
+        return read("kiln:prompt_tokens_total", labels) or 0.0, read(
+            "kiln:generation_tokens_total", labels
+        ) or 0.0
+
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -349,3 +349,20 @@ def test_requests_are_logged_as_vllm_logs_them(tiny_server: Server, default_mode
     ids = tokenizer.encode(prompt)[:5]
     assert f"prompt: {tokenizer.decode(ids)[:5]!r}, params: SamplingParams(" in line
     assert "max_tokens=3" in line and line.endswith(f"prompt_token_ids: {ids}")
+
+
+def test_the_engine_line_reports_throughput(tiny_server: Server) -> None:
+    """vLLM's periodic line (tiny_server's every 0.5 s): a span with generated tokens reports them."""
+    client = client_for(tiny_server)
+    client.completions.create(model=TINY_NAME, prompt="Hi", max_tokens=40, extra_body={"ignore_eos": True})
+    pattern = re.compile(
+        r"Avg prompt throughput: [\d.]+ tokens/s, Avg generation throughput: ([\d.]+) tokens/s, "
+        r"Running: \d+ reqs, Waiting: \d+ reqs, KV cache usage: [\d.]+%, Prefix cache hit rate: [\d.]+%"
+    )
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        rates = [float(m[1]) for m in pattern.finditer(tiny_server.output())]
+        if any(rates):
+            break
+        time.sleep(0.2)
+    assert any(rates), tiny_server.output()[-2000:]

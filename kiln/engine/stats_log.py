@@ -1,0 +1,50 @@
+"""vLLM's periodic engine line: throughput since the last line, the queue, the KV cache, and the prefix
+cache's hit rate over that span (off with --disable-log-stats)."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from kiln.engine.metrics import Metrics
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class StatsLog:
+    """At INFO while the engine works, or did in the span before, else at DEBUG: an idle server's log
+    stays quiet, as vLLM's."""
+
+    metrics: Metrics
+    at: float  # time.monotonic() of the last line
+    prompt: float = 0.0  # the counters at the last line
+    generation: float = 0.0
+    queries: int = 0
+    hits: int = 0
+    busy: bool = False  # the last span had work
+
+    def line(self, now: float, stats: dict[str, Any]) -> tuple[str, bool]:
+        """The line for the span since the last, and whether it goes out at INFO."""
+        prompt, generation = self.metrics.token_totals()
+        span = max(now - self.at, 1e-9)
+        prompt_rate, generation_rate = (prompt - self.prompt) / span, (generation - self.generation) / span
+        queries = stats["prefix_cache_queries"] - self.queries
+        hits = stats["prefix_cache_hits"] - self.hits
+        text = (
+            f"Avg prompt throughput: {prompt_rate:.1f} tokens/s, "
+            f"Avg generation throughput: {generation_rate:.1f} tokens/s, "
+            f"Running: {stats['running']} reqs, Waiting: {stats['waiting']} reqs, "
+            f"KV cache usage: {100 * stats['kv_cache_usage']:.1f}%, "
+            f"Prefix cache hit rate: {100 * hits / queries if queries else 0.0:.1f}%"
+        )
+        busy = bool(prompt_rate or generation_rate or stats["running"] or stats["waiting"])
+        loud, self.busy = busy or self.busy, busy
+        self.at, self.prompt, self.generation = now, prompt, generation
+        self.queries, self.hits = stats["prefix_cache_queries"], stats["prefix_cache_hits"]
+        return text, loud
+
+    def emit(self, now: float, stats: dict[str, Any]) -> None:
+        text, loud = self.line(now, stats)
+        log.log(logging.INFO if loud else logging.DEBUG, "%s", text)
