@@ -117,9 +117,8 @@ class Metrics:
         """Prompt and generated tokens so far."""
         labels = {"model_name": self.model_name}
         read = self.registry.get_sample_value
-        return read("kiln:prompt_tokens_total", labels) or 0.0, read(
-            "kiln:generation_tokens_total", labels
-        ) or 0.0
+        prompt = read("kiln:prompt_tokens_total", labels) or 0.0
+        return prompt, read("kiln:generation_tokens_total", labels) or 0.0
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
