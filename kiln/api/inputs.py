@@ -240,6 +240,11 @@ def render_messages(
                     raise APIError(400, f"{where}: a text part needs its `text`", "messages")
             content = "".join(part.text or "" for part in content)
         message: dict[str, Any] = {"role": m.role, "content": content or ""}
+        if m.name is not None:
+            message["name"] = m.name
+        thought = m.reasoning if m.reasoning is not None else m.reasoning_content
+        if thought is not None:  # both names, as vLLM gives templates
+            message["reasoning"] = message["reasoning_content"] = thought
         if m.tool_calls:
             message["tool_calls"] = msgspec.to_builtins(m.tool_calls)
         if m.tool_call_id is not None:

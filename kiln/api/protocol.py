@@ -111,6 +111,10 @@ class ChatMessage(_Strict):
     name: str | None = None
     tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
     tool_call_id: str | None = None  # a tool's answer to one
+    # An assistant's earlier thinking, as a reply with a reasoning parser gives it (vLLM's older name too),
+    # for templates that show it again (Qwen3's reads reasoning_content).
+    reasoning: str | None = None
+    reasoning_content: str | None = None
 
 
 class FunctionDefinition(_Strict):

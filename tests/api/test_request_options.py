@@ -366,3 +366,30 @@ def test_the_engine_line_reports_throughput(tiny_server: Server) -> None:
             break
         time.sleep(0.2)
     assert any(rates), tiny_server.output()[-2000:]
+
+
+def test_an_earlier_reply_goes_back_whole(tiny_server: Server, default_model_dir: Path) -> None:
+    """A reasoning parser's reply, sent back in the next turn as the SDK sends it (its `reasoning`, or
+    vLLM's older `reasoning_content`), and a message's `name`, reach the template, as vLLM gives them."""
+    client = client_for(tiny_server)
+    body = {"structured_outputs": {"choice": ["<think>Two and two.</think>Four."]}}
+    first = (
+        client.chat.completions.create(
+            model=TINY_NAME, messages=HI, max_tokens=30, temperature=0, extra_body=body
+        )
+        .choices[0]
+        .message
+    )
+    assert first.reasoning == "Two and two."  # type: ignore[attr-defined]
+    again = client.chat.completions.create(
+        model=TINY_NAME, messages=[*HI, first, {"role": "user", "content": "Sure?"}], max_tokens=1
+    )
+    assert again.choices[0].finish_reason == "length"
+    tok = AutoTokenizer.from_pretrained(default_model_dir)
+    tok.chat_template = (
+        "{% for m in messages %}{{ m.name }}:{{ m.reasoning_content }}:{{ m.reasoning }}|{% endfor %}"
+    )
+    for field in ("reasoning", "reasoning_content"):
+        messages = [{"role": "user", "content": "Hi", "name": "ann"}, {"role": "assistant", field: "hmm"}]
+        parsed = msgspec.convert({"messages": messages}, ChatCompletionRequest)
+        assert tok.decode(render_messages(tok, parsed.messages, parsed)) == "ann::|:hmm:hmm|"
