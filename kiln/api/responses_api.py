@@ -103,19 +103,26 @@ def _function(tool: FunctionTool) -> dict[str, Any]:
 
 
 def _messages(body: ResponsesRequest) -> list[dict[str, Any]]:
-    """instructions as a system message, then the input's items as chat messages."""
+    """instructions as a system message, then the input's items as chat messages. A reasoning item's text
+    goes with the assistant turn that follows it (the chat message's `reasoning`, which templates such as
+    Qwen3's show again within a turn of tool calls)."""
     messages: list[dict[str, Any]] = []
     if body.instructions is not None:
         messages.append({"role": "system", "content": body.instructions})
     if isinstance(body.input, str):
         return [*messages, {"role": "user", "content": body.input}]
+    thought: str | None = None
     for i, item in enumerate(body.input):
         try:
+            if item.get("type") == "reasoning":
+                thought = "".join(part["text"] for part in item.get("content") or ())
+                continue
             message = _message(item)
         except (KeyError, TypeError, ValueError) as e:
             raise APIError(400, f"input[{i}]: {e}", "input") from None
-        if message is None:
-            continue
+        if message["role"] == "assistant" and thought:
+            message["reasoning"] = thought
+        thought = None
         last = messages[-1] if messages else None
         if message.get("tool_calls") and last is not None and last.get("tool_calls"):
             last["tool_calls"] += message["tool_calls"]  # consecutive calls: one assistant turn
@@ -124,7 +131,7 @@ def _messages(body: ResponsesRequest) -> list[dict[str, Any]]:
     return messages
 
 
-def _message(item: dict[str, Any]) -> dict[str, Any] | None:
+def _message(item: dict[str, Any]) -> dict[str, Any]:
     kind = item.get("type", "message")
     if kind == "message":
         content = item["content"]
@@ -139,8 +146,6 @@ def _message(item: dict[str, Any]) -> dict[str, Any] | None:
         return {"role": "assistant", "content": None, "tool_calls": [call]}
     if kind == "function_call_output":
         return {"role": "tool", "tool_call_id": item["call_id"], "content": item["output"]}
-    if kind == "reasoning":
-        return None  # a past turn's thinking: reasoning templates leave it out of the prompt
     raise ValueError(f"items of type {kind!r} are not supported")
 
 

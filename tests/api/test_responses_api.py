@@ -6,9 +6,12 @@ from __future__ import annotations
 
 import json
 
+import msgspec
 import openai
 import pytest
 
+from kiln.api.responses_api import to_chat
+from kiln.api.responses_protocol import ResponsesRequest
 from tests.api.server import Server, expect_error, post
 from tests.api.test_structured import ASK_WEATHER, CALL, WEATHER
 from tests.conftest import API_KEY
@@ -189,3 +192,21 @@ def test_auto_tool_calls_in_a_response(tiny_server: Server) -> None:
     message, call = r.output
     assert message.type == "message" and r.output_text == "Let me check. "
     assert call.type == "function_call" and json.loads(call.arguments) == {"city": "Paris", "unit": "celsius"}
+
+
+def test_a_reasoning_item_goes_back_with_the_turn_after_it() -> None:
+    """As the SDK sends a conversation back: a reasoning item's text becomes the next assistant message's
+    `reasoning` (which reaches the template); one before a user message is left out."""
+    call = {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": "{}"}
+    thinking = {"type": "reasoning", "id": "rs_1", "summary": [],
+                "content": [{"type": "reasoning_text", "text": "Ask the tool."}]}  # fmt: skip
+    items = [
+        {"role": "user", "content": "Weather?"}, thinking, call,
+        {"type": "function_call_output", "call_id": "c1", "output": "Sunny"},
+        {**thinking, "content": [{"type": "reasoning_text", "text": "Dropped."}]},
+        {"role": "user", "content": "Thanks"},
+    ]  # fmt: skip
+    chat = to_chat(msgspec.convert({"input": items}, ResponsesRequest))
+    assert [(m.role, m.reasoning) for m in chat.messages] == [
+        ("user", None), ("assistant", "Ask the tool."), ("tool", None), ("user", None),
+    ]  # fmt: skip
