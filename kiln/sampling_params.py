@@ -9,22 +9,25 @@ _GREEDY_EPS = 1e-5
 
 class StructuredOutputsParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """One constraint on a sequence's text, as vLLM names them: a JSON schema (`json`), any JSON object
-    (`json_object`), a regular expression, one of a list of strings (`choice`) or an EBNF `grammar`."""
+    (`json_object`), a regular expression, one of a list of strings (`choice`), an EBNF `grammar`, or
+    xgrammar's `structural_tag` (as JSON: free text, with tagged parts held to their schemas)."""
 
     json: str | dict[str, Any] | None = None
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None
     json_object: bool | None = None
+    structural_tag: str | None = None
     disable_any_whitespace: bool = False  # JSON without whitespace between its tokens
 
     def __post_init__(self) -> None:
-        given = [k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None]
+        kinds = ("json", "regex", "choice", "grammar", "structural_tag")
+        given = [k for k in kinds if getattr(self, k) is not None]
         given += ["json_object"] if self.json_object else []
         if len(given) != 1:
             raise ValueError(
-                "structured_outputs needs exactly one of json, regex, choice, grammar and json_object, "
-                f"got {given or 'none'}"
+                "structured_outputs needs exactly one of json, regex, choice, grammar, json_object and "
+                f"structural_tag, got {given or 'none'}"
             )
 
 

@@ -5,6 +5,7 @@ client to leave. What they stream, and their usage, is in kiln.api.streaming."""
 from __future__ import annotations
 
 import asyncio
+import json
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
@@ -102,11 +103,14 @@ async def constraint(
                 400, 'response_format of type "json_schema" needs its json_schema', "response_format"
             )
         schema = fmt.json_schema.schema if fmt.json_schema is not None else None
-        so = (
-            StructuredOutputsParams(json=schema)
-            if schema is not None
-            else StructuredOutputsParams(json_object=True)
-        )
+        if fmt.type == "structural_tag":
+            parts = {"format": fmt.format, "structures": fmt.structures, "triggers": fmt.triggers}
+            tag = {"type": "structural_tag"} | {k: v for k, v in parts.items() if v is not None}
+            so = StructuredOutputsParams(structural_tag=json.dumps(tag, ensure_ascii=False))
+        elif schema is not None:
+            so = StructuredOutputsParams(json=schema)
+        else:
+            so = StructuredOutputsParams(json_object=True)
         asked.append(("response_format", so))
     if body.structured_outputs is not None:
         asked.append(("structured_outputs", body.structured_outputs))

@@ -27,7 +27,7 @@ class Constraint:
     """A constraint in the one form the cache keys on: its kind and its text (a schema as canonical JSON,
     a choice as the EBNF grammar it becomes)."""
 
-    kind: str  # "json", "regex" or "grammar"
+    kind: str  # "json", "regex", "grammar" or "structural_tag"
     text: str
     any_whitespace: bool = True
 
@@ -56,6 +56,14 @@ class Constraint:
                 raise ValueError("structured_outputs.choice must be a list of non-empty strings")
             alternatives = " | ".join(json.dumps(c, ensure_ascii=False) for c in params.choice)
             return cls("grammar", f"root ::= {alternatives}")
+        if params.structural_tag is not None:
+            try:
+                tag = json.loads(params.structural_tag)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"structured_outputs.structural_tag is not valid JSON: {e}") from None
+            if not isinstance(tag, dict):
+                raise ValueError("structured_outputs.structural_tag must be a JSON object")
+            return cls("structural_tag", json.dumps(tag, ensure_ascii=False, sort_keys=True))
         assert params.grammar is not None
         return cls("grammar", params.grammar)
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import bisect
 import concurrent.futures
 import functools
+import json
 import logging
 import os
 import re
@@ -86,6 +87,24 @@ class SequenceGrammar:
         return False
 
 
+def _structural_tag(text: str) -> xgr.Grammar:
+    """xgrammar's structural tag: its current form ({"type": "structural_tag", "format": ...}), or the one
+    vLLM's response_format still takes ({"structures": [{"begin", "schema", "end"}], "triggers"})."""
+    import xgrammar as xgr
+
+    tag = json.loads(text)
+    if "structures" not in tag:
+        return xgr.Grammar.from_structural_tag(text)
+    try:
+        items = [
+            xgr.StructuralTagItem(begin=s["begin"], schema=json.dumps(s["schema"]), end=s["end"])
+            for s in tag["structures"]
+        ]
+    except (KeyError, TypeError):
+        raise ValueError("each of its structures needs begin, schema and end") from None
+    return xgr.Grammar.from_structural_tag(items, tag.get("triggers", []))
+
+
 @dataclass(slots=True)
 class _Entry:
     grammar: xgr.Grammar
@@ -152,10 +171,14 @@ class Grammars:
                 grammar = xgr.Grammar.from_json_schema(c.text, any_whitespace=c.any_whitespace)
             elif c.kind == "regex":
                 grammar = xgr.Grammar.from_regex(c.text)
+            elif c.kind == "structural_tag":
+                grammar = _structural_tag(c.text)
             else:
                 grammar = xgr.Grammar.from_ebnf(c.text)
-        except Exception as e:  # xgrammar raises RuntimeError with the parser's message
-            what = {"json": "JSON schema", "regex": "regex", "grammar": "grammar"}[c.kind]
+        except Exception as e:  # xgrammar raises RuntimeError (or its own errors) with the parser's message
+            what = {"json": "JSON schema", "regex": "regex", "grammar": "grammar"}.get(
+                c.kind, "structural tag"
+            )
             raise ValueError(f"invalid {what} for structured output: {_xgr_message(e)}") from None
         with self._lock:
             entry = self._entries.setdefault(c, _Entry(grammar))

@@ -264,6 +264,27 @@ def test_reasoning_apart_from_the_answer(tiny_server: Server, stream: bool) -> N
         assert reason == ("tool_calls" if calls else "stop")
 
 
+def test_structural_tags(client: openai.OpenAI) -> None:
+    """vLLM's structural_tag: xgrammar's current form, as response_format or structured_outputs (a JSON
+    string), holds the whole reply; the older form leaves text free until a trigger."""
+    tag = {"type": "structural_tag", "format": {"type": "sequence", "elements": [
+        {"type": "const_string", "value": "<a>"}, {"type": "regex", "pattern": "[0-9]{3}"},
+        {"type": "const_string", "value": "</a>"},
+    ]}}  # fmt: skip
+    for extra in ({"response_format": tag}, {"structured_outputs": {"structural_tag": json.dumps(tag)}}):
+        r = client.chat.completions.create(model=MODEL, messages=ASK_WEATHER, max_tokens=20, extra_body=extra)
+        assert re.fullmatch("<a>[0-9]{3}</a>", r.choices[0].message.content or "")
+        assert r.choices[0].finish_reason == "stop"
+    older = {"type": "structural_tag", "triggers": ["<function="], "structures": [
+        {"begin": "<function=w>", "schema": {"type": "object"}, "end": "</function>"},
+    ]}  # fmt: skip
+    plain = client.chat.completions.create(model=MODEL, messages=ASK_WEATHER, max_tokens=8, temperature=0)
+    held = client.chat.completions.create(
+        model=MODEL, messages=ASK_WEATHER, max_tokens=8, temperature=0, extra_body={"response_format": older}
+    )
+    assert held.choices[0].message.content == plain.choices[0].message.content  # no trigger: free text
+
+
 def test_tool_choice_none_ignores_the_tools(client: openai.OpenAI) -> None:
     plain = client.chat.completions.create(model=MODEL, messages=ASK_WEATHER, max_tokens=12, temperature=0)
     none = client.chat.completions.create(
@@ -326,6 +347,17 @@ BAD = [
     ({"service_tier": "auto"}, "service_tier", "`service_tier`"),
     ({"prediction": {"type": "content", "content": "x"}}, "prediction", "`prediction`"),
     ({"messages": [{"role": "user", "content": "x", "audio": None}]}, "messages", "`audio`"),
+    (
+        {"response_format": {"type": "structural_tag", "format": {"type": "nonsense"}}},
+        "response_format",
+        "invalid structural tag",
+    ),
+    (
+        {"response_format": {"type": "structural_tag", "structures": [{"begin": "<a>"}], "triggers": ["<"]}},
+        "response_format",
+        "needs begin, schema and end",
+    ),
+    ({"structured_outputs": {"structural_tag": "{not json"}}, "structured_outputs", "not valid JSON"),
 ]
 
 
