@@ -133,6 +133,11 @@ SERVE_FLAGS: dict[str, tuple[str, str, dict]] = {
         "disable_log_stats",
         {"action": "store_true", "help": "no periodic throughput and queue line"},
     ),
+    "--enable-log-outputs": (
+        "server",
+        "enable_log_outputs",
+        {"action": "store_true", "help": "log each finished choice's text and token ids"},
+    ),
     "--max-log-len": ("server", "max_log_len", {"type": int, "help": "prompt characters and ids logged"}),
     "--enable-prompt-tokens-details": (
         "server",

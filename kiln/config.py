@@ -220,6 +220,8 @@ class ServerConfig(_Section):
     # --max-log-len cuts the prompt's text and ids to that many (null: whole).
     enable_log_requests: bool = False
     max_log_len: Annotated[int, Meta(ge=0)] | None = None
+    # vLLM's --enable-log-outputs: each finished choice's text, token ids and finish reason (cut likewise).
+    enable_log_outputs: bool = False
     # vLLM's engine line every log_stats_interval seconds (throughput, queue, KV cache, prefix-cache hit
     # rate), at INFO while there is work; --disable-log-stats turns it off.
     disable_log_stats: bool = False

@@ -88,6 +88,7 @@ def tiny_server(tmp_path_factory: pytest.TempPathFactory, default_model_dir: Pat
             "enable_request_id_headers": True,
             "enable_prompt_tokens_details": True,
             "enable_log_requests": True,
+            "enable_log_outputs": True,
             "max_log_len": 5,
             "log_stats_interval": 0.5,
             **TINY_LIMITS,

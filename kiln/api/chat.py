@@ -114,11 +114,13 @@ async def chat(
         if body.stream:
             usage_chunk = functools.partial(ChatCompletionChunk, id=rid, model=model)
             chunks = _Chunks(rid, model, k, calls, call_stream, body, role, echo, reading, prompt_text)
-            outputs = every(merged(streams), stream_interval(body, server.stream_interval))
+            logged = inputs.logged(rid, 1, merged(streams))
+            outputs = every(logged, stream_interval(body, server.stream_interval))
             return events(outputs, 1, chunks, usage_chunk, usage_asked(body, cached))
         outputs = await final_outputs(request, streams)
     if outputs is None:
         return None
+    inputs.log_outputs(rid, outputs)
     out = outputs[0]
     choices = []
     for c in out.outputs:

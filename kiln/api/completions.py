@@ -76,12 +76,14 @@ async def create_completion(
         if body.stream:
             usage_chunk = functools.partial(CompletionResponse, id=rid, model=model)
             chunks = functools.partial(_chunks, rid, model, body, texts, engine.tokenizer)
-            outputs = every(merged(streams), stream_interval(body, inputs.limits.stream_interval))
+            logged = inputs.logged(rid, len(prompts), merged(streams))
+            outputs = every(logged, stream_interval(body, inputs.limits.stream_interval))
             outputs = _without_completions(outputs) if prompt_only else outputs
             return stream_response(outputs, body.n, chunks, usage_chunk, usage_asked(body, cached))
         finals = await final_outputs(request, streams)
     if finals is None:
         return None
+    inputs.log_outputs(rid, finals)
     if prompt_only:
         finals = [_prompt_alone(out) for out in finals]
     choices = [

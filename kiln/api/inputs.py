@@ -6,11 +6,12 @@ a large one. The worker never calls torch: the engine's thread keeps the only Op
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import functools
 import inspect
 import logging
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -22,6 +23,7 @@ from kiln.api.protocol import ChatMessage, ChatRender, CompletionRequest, Tool, 
 from kiln.config import ServerConfig
 from kiln.engine.bad_words import MAX_BAD_WORDS
 from kiln.engine.chat_template import render_chat
+from kiln.engine.output import RequestOutput, merge
 from kiln.sampling_params import SamplingParams, truncate_prompt
 
 T = TypeVar("T")
@@ -91,6 +93,40 @@ class Inputs:
                 "Received request %s: prompt: %r, params: %s, prompt_token_ids: %s",
                 name, text if n is None else text[:n], p, ids,
             )  # fmt: skip
+
+    def log_outputs(self, response_id: str, outputs: list[RequestOutput]) -> None:
+        """vLLM's --enable-log-outputs: each finished choice's text and ids (cut to max_log_len), and why
+        it finished."""
+        if not self.limits.enable_log_outputs:
+            return
+        n = self.limits.max_log_len
+        for i, out in enumerate(outputs):
+            name = f"{response_id}-{i}" if len(outputs) > 1 else response_id
+            for c in out.outputs:
+                log.info(
+                    "Generated response %s (choice %d): output: %r, output_token_ids: %s, finish_reason: %s",
+                    name, c.index, c.text[:n], c.token_ids[:n], c.finish_reason,
+                )  # fmt: skip
+
+    def logged(
+        self, response_id: str, num_prompts: int, outputs: AsyncIterator[tuple[int, RequestOutput]]
+    ) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """A stream's outputs, each prompt's logged whole once it finishes (log_outputs)."""
+        if not self.limits.enable_log_outputs:
+            return outputs
+        return self._logged(response_id, num_prompts, outputs)
+
+    async def _logged(
+        self, response_id: str, num_prompts: int, outputs: AsyncIterator[tuple[int, RequestOutput]]
+    ) -> AsyncIterator[tuple[int, RequestOutput]]:
+        deltas: dict[int, list[RequestOutput]] = {}
+        async with contextlib.aclosing(outputs):  # leaving early aborts, through merged()
+            async for i, out in outputs:
+                deltas.setdefault(i, []).append(out)
+                if out.finished:
+                    name = f"{response_id}-{i}" if num_prompts > 1 else response_id
+                    self.log_outputs(name, [merge(deltas.pop(i))])
+                yield i, out
 
     # -- limits ---------------------------------------------------------------------------------
 

@@ -351,6 +351,29 @@ def test_requests_are_logged_as_vllm_logs_them(tiny_server: Server, default_mode
     assert "max_tokens=3" in line and line.endswith(f"prompt_token_ids: {ids}")
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_outputs_are_logged_as_vllm_logs_them(tiny_server: Server, stream: bool) -> None:
+    """--enable-log-outputs (tiny_server's, max_log_len 5): each finished choice's text and ids, cut to 5,
+    and its finish reason, streamed or whole."""
+    client = client_for(tiny_server)
+    rid = f"out-{stream}"
+    args = dict(model=TINY_NAME, prompt="Hi", max_tokens=8, n=2, temperature=1.0, seed=3, stream=stream)
+    r = client.completions.create(**args, extra_body={"request_id": rid, "ignore_eos": True})
+    if stream:
+        texts = ["", ""]
+        for chunk in r:
+            for c in chunk.choices:
+                texts[c.index] += c.text
+    else:
+        texts = [c.text for c in r.choices]
+    log = tiny_server.output()
+    for i, text in enumerate(texts):
+        line = next(s for s in log.splitlines() if f"Generated response cmpl-{rid} (choice {i}):" in s)
+        assert f"output: {text[:5]!r}, output_token_ids: [" in line and line.endswith("finish_reason: length")
+        ids = line.split("output_token_ids: [")[1].split("]")[0].split(", ")
+        assert len(ids) == 5
+
+
 def test_the_engine_line_reports_throughput(tiny_server: Server) -> None:
     """vLLM's periodic line (tiny_server's every 0.5 s): a span with generated tokens reports them."""
     client = client_for(tiny_server)
