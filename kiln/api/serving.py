@@ -103,9 +103,14 @@ async def constraint(
                 400, 'response_format of type "json_schema" needs its json_schema', "response_format"
             )
         schema = fmt.json_schema.schema if fmt.json_schema is not None else None
+        parts = {"format": fmt.format, "structures": fmt.structures, "triggers": fmt.triggers}
+        given = [k for k, v in parts.items() if v is not None]
+        if given and fmt.type != "structural_tag":
+            raise APIError(
+                400, f"response_format.{given[0]} goes only with type structural_tag", "response_format"
+            )
         if fmt.type == "structural_tag":
-            parts = {"format": fmt.format, "structures": fmt.structures, "triggers": fmt.triggers}
-            tag = {"type": "structural_tag"} | {k: v for k, v in parts.items() if v is not None}
+            tag = {"type": "structural_tag"} | {k: parts[k] for k in given}
             so = StructuredOutputsParams(structural_tag=json.dumps(tag, ensure_ascii=False))
         elif schema is not None:
             so = StructuredOutputsParams(json=schema)

@@ -358,6 +358,7 @@ BAD = [
         "needs begin, schema and end",
     ),
     ({"structured_outputs": {"structural_tag": "{not json"}}, "structured_outputs", "not valid JSON"),
+    ({"response_format": {"type": "json_object", "triggers": ["<"]}}, "response_format", "only with type"),
 ]
 
 
