@@ -13,18 +13,22 @@ Each parser reads a choice's text as it comes (`feed`) or whole (`whole`), the s
 
 from __future__ import annotations
 
-import ast
 import functools
-import json
-import math
-import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
-from kiln.api.protocol import FunctionCall, Tool, ToolCall
+from kiln.api.protocol import Tool, ToolCall
 from kiln.api.responses import DeltaFunction, DeltaToolCall
-from kiln.api.tool_calls import call_id, mistral_call_id
+from kiln.api.tool_formats import (
+    PYTHON_START,
+    PYTHON_TAG,
+    TOOL_CALLS,
+    json_call,
+    llama3_calls,
+    mistral_calls,
+    pythonic_calls,
+    xml_call,
+)
 
 
 @dataclass(slots=True)
@@ -62,7 +66,7 @@ class HermesTools:
             if stop < 0 and not final:
                 break
             body = text[self.pos : stop if stop >= 0 else len(text)]
-            call = (self.read or _call)(body)
+            call = (self.read or json_call)(body)
             if call is None:
                 content.append(opening + body + (closing if stop >= 0 else ""))
             else:
@@ -77,9 +81,6 @@ class HermesTools:
         """A finished choice's content (None when empty) and calls."""
         content, _ = self.feed(text, final=True)
         return content or None, self.calls
-
-
-PYTHON_TAG = "<|python_tag|>"
 
 
 @dataclass(slots=True)
@@ -119,59 +120,6 @@ class ReplyOfCalls:
         return content or None, self.calls
 
 
-def _llama3_calls(text: str) -> list[ToolCall] | None:
-    """Llama 3.1-3.3: {"name", "parameters"} objects separated by ";", after an optional <|python_tag|>.
-    Unlike vLLM's whole-reply parser, a JSON object after some text is content, as its streaming parser
-    has it, so both ways of reading a reply agree."""
-    text, decoder, found = text.lstrip(), json.JSONDecoder(), []
-    pos = len(PYTHON_TAG) if text.startswith(PYTHON_TAG) else 0
-    while True:
-        while pos < len(text) and text[pos] in " \t\r\n;":
-            pos += 1
-        if pos == len(text):
-            return found or None
-        try:
-            value, pos = decoder.raw_decode(text, pos)
-        except ValueError:
-            return None
-        call = _call(value)
-        if call is None:
-            return None
-        found.append(call)
-
-
-PYTHON_START, PYTHON_END = "<|python_start|>", "<|python_end|>"
-
-
-def _pythonic_calls(text: str) -> list[ToolCall] | None:
-    """Llama 3.2 and 4's pythonic calls: a Python list of calls with keyword arguments, each a literal,
-    `[get_weather(city="Paris"), get_time()]` (Llama 4 may wrap it in <|python_start|> and <|python_end|>).
-    Parsed, never run."""
-    text = text.strip().removeprefix(PYTHON_START).removesuffix(PYTHON_END).strip()
-    try:
-        tree = ast.parse(text, mode="eval").body
-    except (SyntaxError, ValueError, MemoryError, RecursionError):
-        return None
-    if not isinstance(tree, ast.List) or not tree.elts:
-        return None
-    found = []
-    for node in tree.elts:
-        if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Name) or node.args:
-            return None
-        try:
-            arguments = {k.arg: ast.literal_eval(k.value) for k in node.keywords if k.arg is not None}
-            text = json.dumps(arguments, ensure_ascii=False)
-        except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
-            return None
-        if len(arguments) < len(node.keywords):  # a **mapping: no literal names
-            return None
-        found.append(ToolCall(call_id(), FunctionCall(node.func.id, text)))
-    return found
-
-
-TOOL_CALLS, ARGS = "[TOOL_CALLS]", "[ARGS]"
-
-
 @dataclass(slots=True)
 class MistralTools:
     """One choice's text, as it comes: content until [TOOL_CALLS] (streamed, less a tail that may start
@@ -197,7 +145,7 @@ class MistralTools:
             content, self.text, self.inside = text[:start], text[start:], True
         if not final:
             return content, []
-        found = _mistral_calls(self.text)
+        found = mistral_calls(self.text)
         if found is None:
             return content + self.text, []
         return content, [_sent(call, self.calls) for call in found]
@@ -205,38 +153,6 @@ class MistralTools:
     def whole(self, text: str) -> tuple[str | None, list[ToolCall]]:
         content, _ = self.feed(text, final=True)
         return content or None, self.calls
-
-
-def _mistral_calls(text: str) -> list[ToolCall] | None:
-    """The calls in the text from the first [TOOL_CALLS] on, in either of Mistral's formats."""
-    segments = [s.strip() for s in text.split(TOOL_CALLS)[1:]]
-    if segments and all(ARGS in s for s in segments):  # v11: name[ARGS]{...} after each tag
-        calls = []
-        for s in segments:
-            name, _, args = s.partition(ARGS)
-            call = _call({"name": name.strip(), "arguments": _json(args)}, mistral_call_id)
-            if call is None or not name.strip():
-                return None
-            calls.append(call)
-        return calls
-    value = _json(" ".join(segments))
-    calls = []
-    for item in value if isinstance(value, list) else [value]:
-        call = _call(item, mistral_call_id)
-        if call is None:
-            return None
-        calls.append(call)
-    return calls or None
-
-
-_BAD = object()
-
-
-def _json(text: str) -> Any:
-    try:
-        return json.loads(text)
-    except ValueError:
-        return _BAD
 
 
 def held(text: str, tag: str) -> int:
@@ -247,79 +163,11 @@ def held(text: str, tag: str) -> int:
     return 0
 
 
-def _call(value: Any, make_id: Callable[[], str] = call_id) -> ToolCall | None:
-    """A call from its JSON, as text or parsed: {"name", "arguments" (or "parameters")}."""
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except ValueError:
-            return None
-    if not isinstance(value, dict) or not isinstance(value.get("name"), str):
-        return None
-    arguments = value.get("arguments", value.get("parameters", {}))
-    if arguments is _BAD:
-        return None
-    if not isinstance(arguments, str):
-        arguments = json.dumps(arguments, ensure_ascii=False)
-    return ToolCall(make_id(), FunctionCall(value["name"], arguments))
-
-
 def _sent(call: ToolCall, calls: list[ToolCall]) -> DeltaToolCall:
     """The call as one whole delta, taking the next index."""
     calls.append(call)
     whole = DeltaFunction(call.function.name, call.function.arguments)
     return DeltaToolCall(len(calls) - 1, whole, call.id, "function")
-
-
-_FUNCTION = re.compile(r"<function=([^>\n]+)>(.*?)(?:</function>|$)", re.S)
-_PARAMETER = re.compile(r"<parameter=([^>\n]+)>(.*?)(?:</parameter>|(?=<parameter=)|$)", re.S)
-
-
-def _xml_call(body: str, schemas: dict[str, dict[str, Any]]) -> ToolCall | None:
-    """Qwen3-Coder's call: <function=NAME> with <parameter=KEY>VALUE</parameter> elements (a parameter
-    left open ends at the next one or the function's end, as vLLM reads it)."""
-    function = _FUNCTION.search(body)
-    if function is None:
-        return None
-    name, properties = function[1].strip(), schemas.get(function[1].strip(), {})
-    arguments = {}
-    for p in _PARAMETER.finditer(function[2]):
-        value = p[2].removeprefix("\n").removesuffix("\n")
-        arguments[p[1].strip()] = _typed(value, properties.get(p[1].strip()))
-    return ToolCall(call_id(), FunctionCall(name, json.dumps(arguments, ensure_ascii=False)))
-
-
-def _typed(value: str, schema: Any) -> Any:
-    """A parameter's text as its schema's type, as vLLM's qwen3_coder parser reads it: a string where the
-    schema says so or says nothing, else the number, boolean, null or JSON the text holds (the text itself
-    where it holds none)."""
-    if not isinstance(schema, dict):
-        return value
-    kinds = schema.get("type") or [o.get("type") for o in schema.get("anyOf", ()) if isinstance(o, dict)]
-    kinds = [kinds] if isinstance(kinds, str) else [k for k in kinds if isinstance(k, str)]
-    if "null" in kinds and value.lower() in ("null", "none"):
-        return None
-    kind = next((k for k in kinds if k != "null"), "string")
-    if kind == "string":
-        return value
-    if value.lower() in ("null", "none"):
-        return None
-    try:
-        if kind == "integer":
-            return int(value)
-        if kind == "number":
-            number = float(value)
-            if not math.isfinite(number):
-                return value  # JSON has no infinities
-            return int(number) if number.is_integer() else number
-        if kind == "boolean":
-            return value.strip().lower() == "true"
-        return json.loads(value)
-    except ValueError:
-        try:
-            return ast.literal_eval(value)
-        except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
-            return value
 
 
 Parser = HermesTools | ReplyOfCalls | MistralTools
@@ -330,11 +178,11 @@ def parser_for(name: str, tools: list[Tool]) -> Parser:
     their schemas)."""
     if name == "qwen3_coder":
         schemas = {t.function.name: (t.function.parameters or {}).get("properties", {}) for t in tools}
-        return HermesTools(functools.partial(_xml_call, schemas=schemas))
+        return HermesTools(functools.partial(xml_call, schemas=schemas))
     if name == "llama3_json":
-        return ReplyOfCalls((PYTHON_TAG, "{"), _llama3_calls)
+        return ReplyOfCalls((PYTHON_TAG, "{"), llama3_calls)
     if name == "pythonic":
-        return ReplyOfCalls((PYTHON_START, "["), _pythonic_calls)
+        return ReplyOfCalls((PYTHON_START, "["), pythonic_calls)
     if name == "mistral":
         return MistralTools()
     return HermesTools()
