@@ -27,18 +27,13 @@ from kiln.api.errors import APIError, as_api_error
 from kiln.api.inputs import Inputs
 from kiln.api.invocations import create_invocation
 from kiln.api.middleware import middleware
-from kiln.api.protocol import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    DetokenizeRequest,
-    TokenizeRequest,
-)
+from kiln.api.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from kiln.api.responses import DetokenizeResponse, ModelCard, ModelList, TokenizeResponse
 from kiln.api.responses_api import create_response
 from kiln.api.responses_protocol import ResponsesRequest
 from kiln.config import ServeConfig
 from kiln.engine.async_engine import AsyncEngine
-from kiln.engine.stats_log import StatsLog
+from kiln.engine.stats_log import log_stats
 from kiln.version import VERSION
 
 log = logging.getLogger(__name__)
@@ -142,14 +137,8 @@ class App:
         yield_to_engine(self.config.server.loop_nice)
         self._log_ready()
         if not self.config.server.disable_log_stats:
-            self.stats_task = asyncio.create_task(self._log_stats(engine))
-
-    async def _log_stats(self, engine: AsyncEngine) -> None:
-        interval = self.config.server.log_stats_interval
-        stats = StatsLog(engine.metrics, time.monotonic())
-        while True:
-            await asyncio.sleep(interval)
-            stats.emit(time.monotonic(), engine.engine.stats())
+            every = self.config.server.log_stats_interval
+            self.stats_task = asyncio.create_task(log_stats(engine.metrics, engine.engine.stats, every))
 
     def _log_ready(self) -> None:
         assert self.engine is not None

@@ -16,6 +16,7 @@ from kiln.api.errors import APIError
 from kiln.api.inputs import Inputs
 from kiln.api.protocol import ChatCompletionRequest, TextPart, Tool
 from kiln.api.reasoning import ThinkSplit
+from kiln.api.request_log import log_outputs, log_requests, logged
 from kiln.api.responses import (
     AssistantMessage,
     ChatChoice,
@@ -106,7 +107,7 @@ async def chat(
     # A forced call's JSON follows the thinking, unless constraints hold the whole reply.
     think = None if calls and engine.admission.constrain_thinking else engine.reasoning_parser
     reading = functools.partial(_Reading.start, think, auto, body.tools or [], body.include_reasoning)
-    await inputs.log_requests(rid, [ids], [params])
+    await log_requests(inputs, rid, [ids], [params])
     if body.use_beam_search:
         outputs = await beam_search_all(engine, request, body, rid, [ids], [params])
     else:
@@ -114,13 +115,13 @@ async def chat(
         if body.stream:
             usage_chunk = functools.partial(ChatCompletionChunk, id=rid, model=model)
             chunks = _Chunks(rid, model, k, calls, call_stream, body, role, echo, reading, prompt_text)
-            logged = inputs.logged(rid, 1, merged(streams))
-            outputs = every(logged, stream_interval(body, server.stream_interval))
+            outputs = logged(server, rid, 1, merged(streams))
+            outputs = every(outputs, stream_interval(body, server.stream_interval))
             return events(outputs, 1, chunks, usage_chunk, usage_asked(body, cached))
         outputs = await final_outputs(request, streams)
     if outputs is None:
         return None
-    inputs.log_outputs(rid, outputs)
+    log_outputs(server, rid, outputs)
     out = outputs[0]
     choices = []
     for c in out.outputs:

@@ -15,6 +15,7 @@ from kiln.api.beam_search import beam_search_all, check_beam_search
 from kiln.api.errors import APIError
 from kiln.api.inputs import Inputs
 from kiln.api.protocol import CompletionRequest
+from kiln.api.request_log import log_outputs, log_requests, logged
 from kiln.api.responses import CompletionChoice, CompletionLogprobs, CompletionResponse
 from kiln.api.serving import (
     constraint,
@@ -68,7 +69,7 @@ async def create_completion(
     ]
     rid = response_id("cmpl-", request, body.request_id)
     cached = inputs.limits.enable_prompt_tokens_details
-    await inputs.log_requests(rid, [p.ids for p in prompts], params)
+    await log_requests(inputs, rid, [p.ids for p in prompts], params)
     if body.use_beam_search:
         finals = await beam_search_all(engine, request, body, rid, [p.ids for p in prompts], params)
     else:
@@ -76,14 +77,14 @@ async def create_completion(
         if body.stream:
             usage_chunk = functools.partial(CompletionResponse, id=rid, model=model)
             chunks = functools.partial(_chunks, rid, model, body, texts, engine.tokenizer)
-            logged = inputs.logged(rid, len(prompts), merged(streams))
-            outputs = every(logged, stream_interval(body, inputs.limits.stream_interval))
+            outputs = logged(inputs.limits, rid, len(prompts), merged(streams))
+            outputs = every(outputs, stream_interval(body, inputs.limits.stream_interval))
             outputs = _without_completions(outputs) if prompt_only else outputs
             return stream_response(outputs, body.n, chunks, usage_chunk, usage_asked(body, cached))
         finals = await final_outputs(request, streams)
     if finals is None:
         return None
-    inputs.log_outputs(rid, finals)
+    log_outputs(inputs.limits, rid, finals)
     if prompt_only:
         finals = [_prompt_alone(out) for out in finals]
     choices = [

@@ -6,12 +6,10 @@ a large one. The worker never calls torch: the engine's thread keeps the only Op
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import copy
 import functools
 import inspect
-import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -23,11 +21,9 @@ from kiln.api.protocol import ChatMessage, ChatRender, CompletionRequest, Tool, 
 from kiln.config import ServerConfig
 from kiln.engine.bad_words import MAX_BAD_WORDS
 from kiln.engine.chat_template import render_chat
-from kiln.engine.output import RequestOutput, merge
-from kiln.sampling_params import SamplingParams, truncate_prompt
+from kiln.sampling_params import truncate_prompt
 
 T = TypeVar("T")
-log = logging.getLogger(__name__)
 
 # Bodies up to this many bytes are handled on the event loop: tokenizing this much text takes ~10 ms.
 INLINE_SIZE = 16384
@@ -76,57 +72,6 @@ class Inputs:
 
     async def parse(self, data: bytes, kind: type[T]) -> T:
         return await self.run(_parse, data, kind)
-
-    async def log_requests(
-        self, response_id: str, prompts: list[list[int]], params: list[SamplingParams]
-    ) -> None:
-        """vLLM's --enable-log-requests: each prompt (as text and as ids, each cut to max_log_len) and its
-        params, as the engine gets them."""
-        if not self.limits.enable_log_requests:
-            return
-        n = self.limits.max_log_len
-        for i, (ids, p) in enumerate(zip(prompts, params, strict=True)):
-            ids = ids if n is None else ids[:n]
-            text = await self.run(self.tokenizer.decode, ids)
-            name = f"{response_id}-{i}" if len(prompts) > 1 else response_id
-            log.info(
-                "Received request %s: prompt: %r, params: %s, prompt_token_ids: %s",
-                name, text if n is None else text[:n], p, ids,
-            )  # fmt: skip
-
-    def log_outputs(self, response_id: str, outputs: list[RequestOutput]) -> None:
-        """vLLM's --enable-log-outputs: each finished choice's text and ids (cut to max_log_len), and why
-        it finished."""
-        if not self.limits.enable_log_outputs:
-            return
-        n = self.limits.max_log_len
-        for i, out in enumerate(outputs):
-            name = f"{response_id}-{i}" if len(outputs) > 1 else response_id
-            for c in out.outputs:
-                log.info(
-                    "Generated response %s (choice %d): output: %r, output_token_ids: %s, finish_reason: %s",
-                    name, c.index, c.text[:n], c.token_ids[:n], c.finish_reason,
-                )  # fmt: skip
-
-    def logged(
-        self, response_id: str, num_prompts: int, outputs: AsyncIterator[tuple[int, RequestOutput]]
-    ) -> AsyncIterator[tuple[int, RequestOutput]]:
-        """A stream's outputs, each prompt's logged whole once it finishes (log_outputs)."""
-        if not self.limits.enable_log_outputs:
-            return outputs
-        return self._logged(response_id, num_prompts, outputs)
-
-    async def _logged(
-        self, response_id: str, num_prompts: int, outputs: AsyncIterator[tuple[int, RequestOutput]]
-    ) -> AsyncIterator[tuple[int, RequestOutput]]:
-        deltas: dict[int, list[RequestOutput]] = {}
-        async with contextlib.aclosing(outputs):  # leaving early aborts, through merged()
-            async for i, out in outputs:
-                deltas.setdefault(i, []).append(out)
-                if out.finished:
-                    name = f"{response_id}-{i}" if num_prompts > 1 else response_id
-                    self.log_outputs(name, [merge(deltas.pop(i))])
-                yield i, out
 
     # -- limits ---------------------------------------------------------------------------------
 

@@ -3,7 +3,10 @@ cache's hit rate over that span (off with --disable-log-stats)."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,6 +48,11 @@ class StatsLog:
         self.queries, self.hits = stats["prefix_cache_queries"], stats["prefix_cache_hits"]
         return text, loud
 
-    def emit(self, now: float, stats: dict[str, Any]) -> None:
-        text, loud = self.line(now, stats)
+
+async def log_stats(metrics: Metrics, stats: Callable[[], dict[str, Any]], interval: float) -> None:
+    """The line every `interval` seconds, until cancelled."""
+    lines = StatsLog(metrics, time.monotonic())
+    while True:
+        await asyncio.sleep(interval)
+        text, loud = lines.line(time.monotonic(), stats())
         log.log(logging.INFO if loud else logging.DEBUG, "%s", text)
