@@ -9,9 +9,18 @@ if TYPE_CHECKING:
     from kiln.engine.beam_search import BeamSearchParams
     from kiln.engine.output import CompletionOutput, RequestOutput
     from kiln.llm import LLM
+    from kiln.pooling_params import PoolingParams
     from kiln.sampling_params import SamplingParams
 
-__all__ = ["LLM", "BeamSearchParams", "CompletionOutput", "RequestOutput", "SamplingParams", "__version__"]
+__all__ = [
+    "LLM",
+    "BeamSearchParams",
+    "CompletionOutput",
+    "PoolingParams",
+    "RequestOutput",
+    "SamplingParams",
+    "__version__",
+]
 
 # Imported on first use, so `kiln serve` starts its clock (and `kiln --help` answers) before torch loads.
 _LAZY = {
@@ -20,6 +29,7 @@ _LAZY = {
     "CompletionOutput": "kiln.engine.output",
     "RequestOutput": "kiln.engine.output",
     "SamplingParams": "kiln.sampling_params",
+    "PoolingParams": "kiln.pooling_params",
 }
 
 

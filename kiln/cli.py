@@ -117,6 +117,16 @@ SERVE_FLAGS: dict[str, tuple[str, str, dict]] = {
         {"choices": ["hermes", "llama3_json", "mistral", "qwen3_coder", "pythonic"]},
     ),
     "--reasoning-parser": ("model", "reasoning_parser", {"choices": ["deepseek_r1", "qwen3"]}),
+    "--runner": (
+        "model",
+        "runner",
+        {"choices": ["auto", "generate", "pooling"], "help": "pooling: embeddings"},
+    ),
+    "--pooler-config": (
+        "model",
+        "pooler_config",
+        {"type": json.loads, "metavar": "JSON", "help": 'e.g. {"pooling_type": "MEAN"}'},
+    ),
     "--enable-request-id-headers": (
         "server",
         "enable_request_id_headers",

@@ -14,6 +14,15 @@ class _Section(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     pass
 
 
+class PoolerConfig(_Section):
+    """vLLM's --pooler-config: how an embedding is made of the final hidden states (null: the model
+    folder's sentence-transformers modules, else LAST, normalized)."""
+
+    pooling_type: Literal["LAST", "MEAN", "CLS"] | None = None
+    use_activation: bool | None = None  # scaled to unit length
+    dimensions: Annotated[int, Meta(ge=1)] | None = None  # a Matryoshka model's default embedding size
+
+
 class ModelConfig(_Section):
     model: str = "default"  # a model folder, or "default" for the embedded SmolLM2-135M-Instruct
     tokenizer: str | None = None  # defaults to the model folder
@@ -35,6 +44,10 @@ class ModelConfig(_Section):
     reasoning_parser: Literal["deepseek_r1", "qwen3"] | None = None
     # vLLM's structured_outputs_config.enable_in_reasoning: constraints cover the thinking too.
     structured_outputs_in_reasoning: bool = False
+    # vLLM's --runner: generate (text), or pooling (embeddings, /v1/embeddings); auto: pooling for a
+    # sentence-transformers folder with a Pooling module, else generate.
+    runner: Literal["auto", "generate", "pooling"] = "auto"
+    pooler_config: PoolerConfig | None = None
 
 
 class CacheConfig(_Section):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from tqdm import tqdm
@@ -13,10 +14,26 @@ from kiln.engine.beam_search import BeamSearch, BeamSearchOutput, BeamSearchPara
 from kiln.engine.chat_template import render_chat
 from kiln.engine.engine import LLMEngine
 from kiln.engine.output import RequestOutput
+from kiln.pooling_params import PoolingParams
 from kiln.sampling_params import SamplingParams
 
 Prompt = str | list[int] | dict[str, Any]
 Message = dict[str, Any]
+
+
+@dataclass(slots=True)
+class EmbeddingOutput:
+    embedding: list[float]
+
+
+@dataclass(slots=True)
+class EmbeddingRequestOutput:
+    """vLLM's: what LLM.embed gives for one prompt."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    finished: bool
+    outputs: EmbeddingOutput
 
 
 class LLM:
@@ -40,6 +57,39 @@ class LLM:
         (the engine's scheduler.policy must be "priority")."""
         batch = _as_batch(prompts)
         params = _params_for(batch, sampling_params, self.engine.sampling_defaults)
+        return self._run(self._add(batch, params, priority), use_tqdm)
+
+    def embed(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        use_tqdm: bool = True,
+        priority: list[int] | None = None,
+    ) -> list[EmbeddingRequestOutput]:
+        """vLLM's, for a pooling model (runner="pooling"): each prompt's embedding (prompts as generate)."""
+        batch = _as_batch(prompts)
+        if pooling_params is None or isinstance(pooling_params, PoolingParams):
+            params = [pooling_params or PoolingParams()] * len(batch)
+        elif len(pooling_params) != len(batch):
+            raise ValueError(f"got {len(pooling_params)} pooling params for {len(batch)} prompts")
+        else:
+            params = list(pooling_params)
+        outputs = self._run(self._add(batch, params, priority), use_tqdm)
+        return [
+            EmbeddingRequestOutput(
+                o.request_id, o.prompt_token_ids, o.finished, EmbeddingOutput(o.embedding.tolist())
+            )
+            for o in outputs
+            if o.embedding is not None
+        ]
+
+    def _add(
+        self,
+        batch: list[tuple[str | list[int], str | None]],
+        params: Sequence[SamplingParams | PoolingParams],
+        priority: list[int] | None,
+    ) -> list[str]:
+        """Queues the batch; its request ids. A bad prompt leaves nothing of the call queued."""
         if priority is not None and len(priority) != len(batch):
             raise ValueError(f"got {len(priority)} priorities for {len(batch)} prompts")
         ids = [f"offline-{next(self._ids)}" for _ in batch]
@@ -49,10 +99,10 @@ class LLM:
                 self.engine.add_request(rid, prompt, p, 0 if priority is None else priority[i], salt)
                 added.append(rid)
         except Exception:
-            for rid in added:  # a bad prompt leaves nothing of this call queued
+            for rid in added:
                 self.engine.abort(rid)
             raise
-        return self._run(ids, use_tqdm)
+        return ids
 
     def beam_search(
         self, prompts: Prompt | Sequence[Prompt], params: BeamSearchParams, use_tqdm: bool = False

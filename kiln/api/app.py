@@ -23,11 +23,18 @@ from starlette.routing import Route
 
 from kiln.api.chat import create_chat_completion
 from kiln.api.completions import create_completion
+from kiln.api.embeddings import create_embedding
 from kiln.api.errors import APIError, as_api_error
 from kiln.api.inputs import Inputs
 from kiln.api.invocations import create_invocation
 from kiln.api.middleware import middleware
-from kiln.api.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from kiln.api.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    EmbeddingRequest,
+    TokenizeRequest,
+)
 from kiln.api.responses import DetokenizeResponse, ModelCard, ModelList, TokenizeResponse
 from kiln.api.responses_api import create_response
 from kiln.api.responses_protocol import ResponsesRequest
@@ -89,6 +96,7 @@ class App:
                     methods=post,
                 ),
                 Route("/v1/responses", self._api(create_response, ResponsesRequest), methods=post),
+                Route("/v1/embeddings", self._api(create_embedding, EmbeddingRequest), methods=post),
                 Route("/v1/models", self._api(self._models), methods=get),
                 Route("/tokenize", self._api(self._tokenize, TokenizeRequest), methods=post),
                 Route("/detokenize", self._api(self._detokenize, DetokenizeRequest), methods=post),

@@ -32,6 +32,7 @@ from kiln.api.responses import (
 from kiln.api.serving import (
     constraint,
     final_outputs,
+    generating,
     ids_if,
     merged,
     prompt_logprobs,
@@ -51,6 +52,7 @@ from kiln.sampling_params import truncate_prompt
 async def create_chat_completion(
     engine: AsyncEngine, inputs: Inputs, request: Request, body: ChatCompletionRequest
 ) -> ChatCompletionResponse | Response | None:
+    generating(engine, "Chat Completions")
     reply = await chat(engine, inputs, request, body, inputs.limits.enable_prompt_tokens_details)
     return reply if reply is None or isinstance(reply, ChatCompletionResponse) else sse(reply)
 

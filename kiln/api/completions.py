@@ -20,6 +20,7 @@ from kiln.api.responses import CompletionChoice, CompletionLogprobs, CompletionR
 from kiln.api.serving import (
     constraint,
     final_outputs,
+    generating,
     ids_if,
     merged,
     prompt_logprobs,
@@ -37,6 +38,7 @@ from kiln.engine.request import PositionLogprobs
 async def create_completion(
     engine: AsyncEngine, inputs: Inputs, request: Request, body: CompletionRequest
 ) -> CompletionResponse | Response | None:
+    generating(engine, "Completions")
     model = engine.model_name
     if body.suffix is not None:
         raise APIError(400, "suffix is not supported", "suffix")

@@ -103,7 +103,7 @@ class Inputs:
                 400, f"stop may hold at most {lim.max_stop_strings} strings (server.max_stop_strings)", "stop"
             )
 
-    def _check_chars(self, chars: int, param: str) -> None:
+    def check_chars(self, chars: int, param: str) -> None:
         if chars > self.max_prompt_chars:
             raise APIError(
                 400,
@@ -128,7 +128,7 @@ class Inputs:
                 "(server.max_completion_prompts)",
                 "prompt",
             )
-        self._check_chars(max(len(p) if isinstance(p, str) else 0 for p in prompts), "prompt")
+        self.check_chars(max(len(p) if isinstance(p, str) else 0 for p in prompts), "prompt")
         out = []
         for p in prompts:
             ids = (
@@ -157,7 +157,7 @@ class Inputs:
         messages = body.messages or []
         chars = sum(_content_chars(m) for m in messages)
         chars += sum(len(v) for d in body.documents or () for v in d.values())
-        self._check_chars(chars, "messages")
+        self.check_chars(chars, "messages")
         if body.continue_final_message and body.add_generation_prompt:
             raise APIError(
                 400,
@@ -167,7 +167,7 @@ class Inputs:
         return render_messages(self.tokenizer, messages, body, tools)
 
     async def tokenize(self, text: str, add_special_tokens: bool) -> list[int]:
-        self._check_chars(len(text), "prompt")
+        self.check_chars(len(text), "prompt")
         return await self.run(
             functools.partial(self.tokenizer.encode, add_special_tokens=add_special_tokens), text
         )

@@ -1,5 +1,5 @@
 """POST /invocations, SageMaker's (as vLLM serves it): a body with messages runs as a chat completion, one
-with prompt as a completion, one with input as a response."""
+with prompt as a completion, one with input as a response; for a pooling model, any body as embeddings."""
 
 from __future__ import annotations
 
@@ -11,9 +11,10 @@ from starlette.requests import Request
 
 from kiln.api.chat import create_chat_completion
 from kiln.api.completions import create_completion
+from kiln.api.embeddings import create_embedding
 from kiln.api.errors import APIError
 from kiln.api.inputs import Inputs
-from kiln.api.protocol import ChatCompletionRequest, CompletionRequest
+from kiln.api.protocol import ChatCompletionRequest, CompletionRequest, EmbeddingRequest
 from kiln.api.responses_api import create_response
 from kiln.api.responses_protocol import ResponsesRequest
 from kiln.engine.async_engine import AsyncEngine
@@ -38,6 +39,10 @@ async def create_invocation(
         keys = msgspec.json.decode(data, type=dict[str, msgspec.Raw])
     except msgspec.ValidationError:
         raise APIError(400, "an invocation's body must be a JSON object") from None
+    if engine.pooler is not None:
+        body = await inputs.parse(data, EmbeddingRequest)
+        check_model(body)
+        return await create_embedding(engine, inputs, request, body)
     for key, handler, kind in _ROUTES:
         if key in keys:
             body = await inputs.parse(data, kind)

@@ -190,3 +190,29 @@ class TokenizeRequest(msgspec.Struct, kw_only=True):
 class DetokenizeRequest(msgspec.Struct, kw_only=True):
     tokens: list[int]
     model: str | None = None
+
+
+class EmbeddingRequest(_Strict):
+    """OpenAI's /v1/embeddings, with vLLM's extras: text or token ids in `input`, or one conversation in
+    `messages` (through the chat template)."""
+
+    model: str | None = None
+    input: str | list[str | int | list[int]] | None = None
+    messages: list[ChatMessage] | None = None
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = None
+    user: str | None = None
+    use_activation: bool | None = None  # unset: the pooler's (normalized, for most models)
+    embed_dtype: Literal["float32", "float16", "bfloat16", "fp8_e4m3", "fp8_e5m2"] = "float32"  # base64's
+    endianness: Literal["native", "big", "little"] = "native"  # base64's
+    truncate_prompt_tokens: Annotated[int, msgspec.Meta(ge=-1)] | None = None  # -1: max_model_len
+    truncation_side: Literal["left", "right"] | None = None  # unset: the tokenizer's
+    request_id: str | None = None
+    priority: int = 0
+    cache_salt: str | None = None
+    add_special_tokens: bool | None = None  # unset: True for input, False for messages (vLLM's)
+    add_generation_prompt: bool = False
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    reasoning_effort: ReasoningEffort | None = None
+    documents: list[dict[str, str]] | None = None

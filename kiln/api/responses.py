@@ -176,3 +176,18 @@ class ErrorInfo(msgspec.Struct):
 
 class ErrorResponse(msgspec.Struct):
     error: ErrorInfo
+
+
+class EmbeddingData(msgspec.Struct):
+    index: int
+    embedding: list[float] | str  # base64: the values' bytes
+    object: Literal["embedding"] = "embedding"
+
+
+class EmbeddingResponse(msgspec.Struct):
+    id: str
+    model: str
+    data: list[EmbeddingData]
+    usage: Usage
+    object: Literal["list"] = "list"
+    created: int = msgspec.field(default_factory=_now)

@@ -32,7 +32,7 @@ from kiln.api.responses_protocol import (
     response_usage,
 )
 from kiln.api.responses_stream import events, reasoning_tokens
-from kiln.api.serving import response_id
+from kiln.api.serving import generating, response_id
 from kiln.api.streaming import sse
 from kiln.engine.async_engine import AsyncEngine
 
@@ -49,6 +49,7 @@ _SAME = (
 async def create_response(
     engine: AsyncEngine, inputs: Inputs, request: Request, body: ResponsesRequest
 ) -> ResponseBody | Response | None:
+    generating(engine, "Responses")
     rid = response_id("resp_", request, body.request_id)
     reply = await chat(engine, inputs, request, to_chat(body), cached=True)
     if reply is None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 from msgspec import UNSET, UnsetType
@@ -15,10 +15,11 @@ from starlette.requests import Request
 
 from kiln.api.errors import APIError
 from kiln.api.inputs import Inputs
-from kiln.api.protocol import _SamplingRequest
+from kiln.api.protocol import EmbeddingRequest, _SamplingRequest
 from kiln.engine.async_engine import AsyncEngine, RequestStream
 from kiln.engine.output import RequestOutput, merge
 from kiln.engine.request import PositionLogprobs
+from kiln.pooling_params import PoolingParams
 from kiln.sampling_params import SamplingParams, StructuredOutputsParams
 
 # The sampling fields a request may leave unset for the model's generation config to set.
@@ -133,6 +134,12 @@ async def constraint(
     return so
 
 
+def generating(engine: AsyncEngine, api: str) -> None:
+    """A pooling model serves embeddings only: its generation APIs answer 501, as vLLM's."""
+    if engine.pooler is not None:
+        raise APIError(501, f"The model does not support {api} API")
+
+
 def response_id(prefix: str, request: Request, request_id: str | None) -> str:
     """vLLM's: the X-Request-Id header, else the body's request_id, else a random id, after the prefix."""
     return f"{prefix}{request.headers.get('x-request-id') or request_id or uuid.uuid4().hex}"
@@ -141,10 +148,10 @@ def response_id(prefix: str, request: Request, request_id: str | None) -> str:
 def start_all(
     engine: AsyncEngine,
     request: Request,
-    body: _SamplingRequest,
+    body: _SamplingRequest | EmbeddingRequest,
     response_id: str,
     prompts: list[list[int]],
-    params: list[SamplingParams],
+    params: Sequence[SamplingParams | PoolingParams],
 ) -> list[RequestStream]:
     """One engine request per prompt, with the body's priority and cache_salt; if any is refused, none
     stays queued. Engine ids get a random suffix, as in vLLM: clients may reuse their request ids."""

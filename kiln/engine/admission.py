@@ -14,9 +14,13 @@ from kiln.engine.bad_words import BadWords, tokenize_bad_words
 from kiln.engine.constraint import Constraint
 from kiln.engine.detokenizer import IncrementalDetokenizer, SequenceText
 from kiln.engine.grammar import Grammars
+from kiln.engine.pooler import Pooler
 from kiln.engine.request import Request
 from kiln.engine.thinking import Thinking, ThinkTags
+from kiln.pooling_params import PoolingParams
 from kiln.sampling_params import SamplingParams, truncate_prompt
+
+_POOLED = SamplingParams(max_tokens=1)  # an embedding request's: it samples nothing
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,20 +35,26 @@ class Admission:
     device: torch.device  # where seeded requests' generators live
     think_tags: ThinkTags | None = None  # a reasoning parser's (model.reasoning_parser)
     constrain_thinking: bool = False  # model.structured_outputs_in_reasoning
+    pooler: Pooler | None = None  # runner pooling's: requests are for embeddings
 
-    def tokenize(self, prompt: str | list[int], params: SamplingParams | None = None) -> list[int]:
+    def tokenize(
+        self, prompt: str | list[int], params: SamplingParams | PoolingParams | None = None
+    ) -> list[int]:
         """The prompt's ids, truncated as params ask."""
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        if params is not None:
+        if isinstance(params, SamplingParams):
             keep, side = params.truncate_prompt_tokens, params.truncation_side
             ids = truncate_prompt(ids, keep, params.max_tokens, self.max_model_len, side)
-        self.check_prompt(ids)
+        self.check_prompt(ids, isinstance(params, PoolingParams))
         return ids
 
-    def check_prompt(self, ids: list[int]) -> None:
+    def check_prompt(self, ids: list[int], pooled: bool = False) -> None:
+        """pooled: for an embedding, which may fill max_model_len."""
         if not ids:
             raise ValueError("prompt is empty")
-        if len(ids) >= self.max_model_len:
+        if pooled and len(ids) > self.max_model_len:
+            raise ValueError(f"prompt has {len(ids)} tokens, more than max_model_len={self.max_model_len}")
+        if not pooled and len(ids) >= self.max_model_len:
             raise ValueError(
                 f"prompt has {len(ids)} tokens, which leaves no room to generate within "
                 f"max_model_len={self.max_model_len}"
@@ -76,6 +86,32 @@ class Admission:
                     "(model.structured_outputs_in_reasoning)"
                 )
         return tokenize_bad_words(self.tokenizer, params.bad_words, vocab)
+
+    def check_kind(self, params: SamplingParams | PoolingParams) -> None:
+        """A pooling model embeds and a generating one generates (vLLM's runner)."""
+        if isinstance(params, PoolingParams) and self.pooler is None:
+            raise ValueError("embeddings need a pooling model: serve it with --runner pooling")
+        if isinstance(params, SamplingParams) and self.pooler is not None:
+            raise ValueError("a pooling model (--runner pooling) gives embeddings and does not generate")
+
+    def pooled_request(
+        self, request_id: str, ids: list[int], params: PoolingParams, priority: int, cache_salt: str | None
+    ) -> Request:
+        """An embedding request: it runs its prompt and ends with its embedding."""
+        assert self.pooler is not None
+        detokenizer = IncrementalDetokenizer(self.tokenizer, ids, True, True)
+        return Request(
+            request_id=request_id,
+            parent_id=request_id,
+            params=_POOLED,
+            token_ids=list(ids),
+            num_prompt_tokens=len(ids),
+            max_tokens=1,
+            text=SequenceText(detokenizer, []),
+            pooling=self.pooler.sequence(params),
+            priority=priority,
+            cache_salt=cache_salt or "",
+        )
 
     def check_options(self, priority: int, cache_salt: str | None) -> None:
         """vLLM's request options beside the params."""

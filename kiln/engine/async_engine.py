@@ -20,7 +20,9 @@ from kiln.engine.bad_words import BadWords
 from kiln.engine.engine import LLMEngine
 from kiln.engine.metrics import Metrics
 from kiln.engine.output import RequestOutput, merge
+from kiln.engine.pooler import Pooler
 from kiln.engine.tokenizer import load_tokenizer
+from kiln.pooling_params import PoolingParams
 from kiln.sampling_params import SamplingParams, StructuredOutputsParams
 
 log = logging.getLogger(__name__)
@@ -34,7 +36,7 @@ class EngineDeadError(RuntimeError):
 class _Add:
     request_id: str
     prompt_ids: list[int]
-    params: SamplingParams
+    params: SamplingParams | PoolingParams
     priority: int
     cache_salt: str | None
     bad_words: BadWords  # the params' bad words, tokenized when they were checked on the event loop
@@ -55,7 +57,7 @@ class RequestStream:
 
     request_id: str
     engine: AsyncEngine
-    params: SamplingParams
+    params: SamplingParams | PoolingParams
     queue: asyncio.Queue[RequestOutput | BaseException] = field(default_factory=asyncio.Queue)
     arrival: float = field(default_factory=time.monotonic)
     first_token_at: float = 0.0
@@ -97,6 +99,7 @@ class AsyncEngine:
     sampling_defaults: dict[str, Any]  # the model's generation config, for fields a request leaves unset
     admission: Admission  # the engine's checks, with the event loop's tokenizer
     reasoning_parser: str | None  # model.reasoning_parser
+    pooler: Pooler | None  # a pooling model's (runner pooling): it serves embeddings only
     model_path: Path
     timings: dict[str, float]  # start-up, by part
     metrics: Metrics
@@ -123,6 +126,7 @@ class AsyncEngine:
         self.eos_token_ids = frozenset(self.engine.eos_token_ids)
         self.sampling_defaults = self.engine.sampling_defaults
         self.reasoning_parser = config.model.reasoning_parser
+        self.pooler = self.engine.pooler
         self.model_path = self.engine.model_path
         self.timings = self.engine.timings
         self.metrics = Metrics(model_name, self.engine.stats, self.max_model_len)
@@ -135,20 +139,23 @@ class AsyncEngine:
     def generate(
         self,
         prompt_ids: list[int],
-        params: SamplingParams,
+        params: SamplingParams | PoolingParams,
         request_id: str,
         priority: int = 0,
         cache_salt: str | None = None,
     ) -> RequestStream:
-        """Queues a request and returns its stream (options as LLMEngine.add_request). A bad prompt, params
-        or options raise ValueError here, before anything is queued."""
+        """Queues a request and returns its stream (options as LLMEngine.add_request; PoolingParams: its
+        embedding). A bad prompt, params or options raise ValueError here, before anything is queued."""
         if self.dead is not None:
             raise EngineDeadError(f"the engine has died: {self.dead!r}")
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in use")
-        self.admission.check_options(priority, cache_salt)
-        bad_words = self.admission.check_params(params)
-        self.admission.check_prompt(prompt_ids)
+        admission = self.admission
+        admission.check_kind(params)
+        admission.check_options(priority, cache_salt)
+        pooled = isinstance(params, PoolingParams)
+        bad_words = () if pooled else admission.check_params(params)
+        admission.check_prompt(prompt_ids, pooled)
         stream = RequestStream(request_id, self, params)
         self._streams[request_id] = stream
         self._commands.put(_Add(request_id, prompt_ids, params, priority, cache_salt, bad_words))
@@ -231,6 +238,8 @@ class AsyncEngine:
             if stream is None:  # aborted while the step ran
                 continue
             new_tokens = sum(len(o.token_ids) for o in out.outputs)
+            if out.embedding is not None:
+                m.prompt_tokens.inc(len(out.prompt_token_ids))
             if new_tokens:
                 if stream.num_tokens == 0:
                     m.ttft.observe(now - stream.arrival)
@@ -261,9 +270,11 @@ class AsyncEngine:
                 m.decode_time.observe(now - stream.first_token_at)
         m.prompt_len.observe(len(out.prompt_token_ids))
         m.output_len.observe(stream.num_tokens)
-        m.n.observe(stream.params.n)
-        if stream.params.max_tokens is not None:
-            m.max_tokens.observe(stream.params.max_tokens)
+        p = stream.params
+        if isinstance(p, SamplingParams):
+            m.n.observe(p.n)
+            if p.max_tokens is not None:
+                m.max_tokens.observe(p.max_tokens)
 
     def _fail(self, request_id: str, error: BaseException) -> None:
         stream = self._streams.pop(request_id, None)

@@ -22,6 +22,7 @@ from kiln.engine.dummy_steps import DummySteps
 from kiln.engine.grammar import Grammars
 from kiln.engine.memory import kv_cache_blocks
 from kiln.engine.output import OutputProcessor, Parent, RequestOutput
+from kiln.engine.pooler import resolve_pooler
 from kiln.engine.runner import ModelRunner
 from kiln.engine.scheduler import ScheduledBatch, Scheduler
 from kiln.engine.step_result import StepResult
@@ -32,6 +33,7 @@ from kiln.ops.backend import choose_backend
 from kiln.ops.cpu import threads
 from kiln.paths import cache_root
 from kiln.platform import resolve_device
+from kiln.pooling_params import PoolingParams
 from kiln.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -100,7 +102,10 @@ class LLMEngine:
                 self.sampling_defaults,
             )
         self.grammars = Grammars(lambda: load_tokenizer(config, path), dims.vocab_size, self.eos_token_ids)
-        self.runner = ModelRunner(self.model, config, self.max_model_len, self.backend, self.grammars)
+        self.pooler = resolve_pooler(config.model, path, dims.hidden_size)
+        self.runner = ModelRunner(
+            self.model, config, self.max_model_len, self.backend, self.grammars, self.pooler is not None
+        )
         parser = config.model.reasoning_parser
         self.admission = Admission(
             self.tokenizer,
@@ -113,6 +118,7 @@ class LLMEngine:
             self.runner.device,
             None if parser is None else ThinkTags.of(parser, self.tokenizer),
             config.model.structured_outputs_in_reasoning,
+            self.pooler,
         )
         self.timings["runner"] = time.perf_counter() - clock
         num_blocks = kv_cache_blocks(config, self.runner, self.max_model_len, self.timings)
@@ -163,24 +169,29 @@ class LLMEngine:
         self,
         request_id: str,
         prompt: str | list[int],
-        params: SamplingParams,
+        params: SamplingParams | PoolingParams,
         priority: int = 0,
         cache_salt: str | None = None,
         checked: BadWords | None = None,
     ) -> None:
         """Validates, then queues; raises ValueError (and queues nothing) for a bad prompt, params or
-        options. priority: smaller is scheduled sooner (policy "priority"); cache_salt: only requests with
-        the same salt share prefix-cache blocks. checked: what Admission.check_params returned for these
+        options. PoolingParams ask for the prompt's embedding (a pooling model's only kind of request).
+        priority: smaller is scheduled sooner (policy "priority"); cache_salt: only requests with the same
+        salt share prefix-cache blocks. checked: what Admission.check_params returned for these
         params and options, where a caller checked them already (AsyncEngine, on its event loop)."""
         if request_id in self.output.parents:
             raise ValueError(f"request id {request_id!r} is already in use")
         admission = self.admission
+        admission.check_kind(params)
         bad_words = checked
         if bad_words is None:
             admission.check_options(priority, cache_salt)
-            bad_words = admission.check_params(params)
+            bad_words = () if isinstance(params, PoolingParams) else admission.check_params(params)
         ids = admission.tokenize(prompt, params)
-        children = admission.requests(request_id, ids, params, bad_words, priority, cache_salt)
+        if isinstance(params, PoolingParams):
+            children = [admission.pooled_request(request_id, ids, params, priority, cache_salt)]
+        else:
+            children = admission.requests(request_id, ids, params, bad_words, priority, cache_salt)
         parent = Parent(request_id, prompt if isinstance(prompt, str) else None, children)
         self.output.parents[request_id] = parent
         for child in children:
@@ -234,6 +245,9 @@ class LLMEngine:
                 self.block_manager.cache_full_blocks(req)
         for req in result.sampled:
             req.num_pending += 1
+        for req in result.pooled:  # its prompt is done: its blocks are free for the next step
+            req.finish_reason = "stop"
+            self.scheduler.finish(req)
         return result
 
     def stats(self) -> dict[str, Any]:

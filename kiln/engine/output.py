@@ -10,6 +10,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from kiln.engine.request import Logprob, PositionLogprobs, Request
 from kiln.engine.step_result import StepResult
 
@@ -44,6 +46,7 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     scheduled_at: float = 0.0  # time.monotonic() when first scheduled (0: not yet)
+    embedding: torch.Tensor | None = None  # an embedding request's (float32, on the host)
 
 
 def merge(deltas: list[RequestOutput]) -> RequestOutput:
@@ -73,7 +76,7 @@ def merge(deltas: list[RequestOutput]) -> RequestOutput:
     prompt_logprobs = next((d.prompt_logprobs for d in deltas if d.prompt_logprobs is not None), None)
     return RequestOutput(
         first.request_id, first.prompt, first.prompt_token_ids, prompt_logprobs, outputs, last.finished,
-        last.num_cached_tokens, last.scheduled_at,
+        last.num_cached_tokens, last.scheduled_at, last.embedding,
     )  # fmt: skip
 
 
@@ -177,7 +180,7 @@ class OutputProcessor:
             )
         out = result.output
         if out is None:
-            return []
+            return self._pooled(result.pooled)
         tokens = out.token_ids.tolist()
         if out.logprobs is not None:
             ks = [r.params.logprobs or 0 for r in result.sampled]
@@ -211,6 +214,28 @@ class OutputProcessor:
             outputs.append(parent.output(reqs, whole=final_only))
             if parent.finished:
                 del self.parents[parent_id]
+        return outputs
+
+    def _pooled(self, pooled: dict[Request, torch.Tensor]) -> list[RequestOutput]:
+        outputs = []
+        for req, embedding in pooled.items():
+            parent = self.parents.pop(req.parent_id, None)
+            if parent is None:  # aborted while the step ran
+                continue
+            done = CompletionOutput(0, "", [], None, None, "stop", None)
+            outputs.append(
+                RequestOutput(
+                    parent.request_id,
+                    parent.prompt,
+                    req.prompt_token_ids,
+                    None,
+                    [done],
+                    True,
+                    max(0, req.num_cached_tokens),
+                    req.scheduled_at,
+                    embedding,
+                )
+            )
         return outputs
 
     def _check_stop(self, req: Request, token: int) -> None:

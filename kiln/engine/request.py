@@ -8,6 +8,7 @@ import torch
 from kiln.engine.bad_words import BadWords, banned_next
 from kiln.engine.detokenizer import SequenceText
 from kiln.engine.grammar import SequenceGrammar
+from kiln.engine.pooler import Pooling
 from kiln.engine.thinking import Thinking
 from kiln.sampling_params import SamplingParams
 
@@ -48,6 +49,7 @@ class Request:
     bad_words: BadWords = ()  # params.bad_words as token sequences
     grammar: SequenceGrammar | None = None  # params.structured_outputs, compiled
     thinking: Thinking | None = None  # where its reasoning ends, when a grammar or a budget needs to know
+    pooling: Pooling | None = None  # an embedding request (runner pooling): it ends with its prompt
     # vLLM's request options beside the params: a smaller priority is scheduled first (policy "priority");
     # arrival orders the queue within a priority; only requests with the same cache_salt share cached blocks.
     priority: int = 0

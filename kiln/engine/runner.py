@@ -37,11 +37,14 @@ class ModelRunner:
         max_model_len: int,
         backend: Backend = TORCH_BACKEND,
         grammars: Grammars | None = None,
+        pools: bool = False,
     ) -> None:
         """The model comes built with the backend's kernels and attention; the KV cache comes later
         (allocate_kv): on a GPU it is sized by profiling this runner's steps. grammars: where the
-        constrained rows' token bitmasks come from."""
+        constrained rows' token bitmasks come from. pools: its requests are for embeddings (runner
+        pooling), made from the hidden states; nothing is sampled."""
         self.model = model
+        self.pools = pools
         self.grammars = grammars
         self.device = model.embed.weight.device
         if self.device.type == "cpu":
@@ -119,6 +122,8 @@ class ModelRunner:
         if land is not None:
             land()
 
+        if self.pools:
+            return StepResult.launched([], None, {}, pooled=self._pooled(reqs, starts, cu, hidden))
         sampling = [i for i, r in enumerate(reqs) if starts[i] + new[i] == r.num_tokens + r.num_pending]
         prompt_logprobs = self._prompt_logprobs(reqs, starts, new, cu, hidden)
         if not sampling:
@@ -150,6 +155,18 @@ class ModelRunner:
         self.token_counts.update(out.token_ids)
         self.last_tokens, self.last_rows = out.token_ids, {r: j for j, r in enumerate(sampled)}
         return StepResult.launched(sampled, out, prompt_logprobs, any(r.reads_output for r in sampled))
+
+    def _pooled(
+        self, reqs: list[Request], starts: list[int], cu: list[int], hidden: torch.Tensor
+    ) -> dict[Request, torch.Tensor]:
+        """The embeddings of the requests whose prompts this step ended."""
+        out = {}
+        for i, r in enumerate(reqs):
+            assert r.pooling is not None
+            v = r.pooling.take(hidden[cu[i] : cu[i + 1]], starts[i], r.num_prompt_tokens)
+            if v is not None:
+                out[r] = v
+        return out
 
     def _allowed(self, sampled: list[Request]) -> tuple[torch.Tensor, list[int]] | None:
         """The token bitmask of the rows under a grammar, and which rows those are."""

@@ -102,7 +102,7 @@ class Scheduler:
             if req.num_pending or (req.grammar is not None and not req.grammar.ready):
                 skipped.append(self.waiting.popleft())
                 continue
-            if req.num_computed_tokens == 0:
+            if req.num_computed_tokens == 0 and (req.pooling is None or req.pooling.reads_cache):
                 req.num_computed_tokens = self.block_manager.match_prefix(req)
             num_new = min(req.num_tokens - req.num_computed_tokens, self.chunk, budget)
             if not self.block_manager.allocate(req, req.num_computed_tokens + num_new):

@@ -3,7 +3,7 @@ makes when it gets there, so the host can schedule the next step meanwhile (asyn
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -28,6 +28,7 @@ class StepResult:
     prompt_logprobs: dict[Request, PromptLogprobs]  # this step's rows of prompt logprobs
     read_next: bool = False  # the next step's sampling reads its tokens on the host (Request.reads_output)
     done: torch.cuda.Event | None = None  # recorded after the copies; None where the host is the device
+    pooled: dict[Request, torch.Tensor] = field(default_factory=dict)  # the embeddings its prompts ended
 
     @classmethod
     def launched(
@@ -36,13 +37,17 @@ class StepResult:
         out: SamplerOutput | None,
         prompt_logprobs: dict[Request, PromptLogprobs],
         read_next: bool = False,
+        pooled: dict[Request, torch.Tensor] | None = None,
     ) -> StepResult:
         """The results of a step just launched; nothing here waits for a GPU to run it."""
-        on_gpu = (out is not None and out.token_ids.is_cuda) or any(
-            pl.ids.is_cuda for pl in prompt_logprobs.values()
+        pooled = pooled or {}
+        on_gpu = (
+            (out is not None and out.token_ids.is_cuda)
+            or any(pl.ids.is_cuda for pl in prompt_logprobs.values())
+            or any(v.is_cuda for v in pooled.values())
         )
         if not on_gpu:
-            return cls(sampled, out, prompt_logprobs, read_next)
+            return cls(sampled, out, prompt_logprobs, read_next, None, pooled)
         if out is not None:
             fields = (out.token_ids, out.logprob_token_ids, out.logprobs, out.ranks)
             out = SamplerOutput(*(None if t is None else _host(t) for t in fields))
@@ -50,9 +55,10 @@ class StepResult:
             r: PromptLogprobs(pl.first_position, _host(pl.ids), _host(pl.logprobs), _host(pl.ranks))
             for r, pl in prompt_logprobs.items()
         }
+        pooled = {r: _host(v) for r, v in pooled.items()}
         done = torch.cuda.Event()
         done.record()
-        return cls(sampled, out, prompt_logprobs, read_next, done)
+        return cls(sampled, out, prompt_logprobs, read_next, done, pooled)
 
     def wait(self) -> None:
         if self.done is not None:

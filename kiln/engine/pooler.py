@@ -1,0 +1,142 @@
+"""Embeddings from the final hidden states (vLLM's pooling runner): which rows a sequence's embedding is
+made of (its last token, the mean of its tokens, or its first), and whether it is scaled to unit length.
+A sentence-transformers folder says both in its modules.json, as vLLM reads it."""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+import torch.nn.functional as F
+
+from kiln.config import ModelConfig
+from kiln.pooling_params import PoolingParams
+
+log = logging.getLogger(__name__)
+
+Kind = Literal["LAST", "MEAN", "CLS"]
+_ST_POOLING = "sentence_transformers.models.Pooling"
+_ST_NORMALIZE = "sentence_transformers.models.Normalize"
+
+
+@dataclass(frozen=True, slots=True)
+class Pooler:
+    """The served model's pooling (model.runner pooling) and its defaults for a request's params."""
+
+    kind: Kind
+    normalize: bool
+    dimensions: int | None  # the server's default (model.pooler_config)
+    hidden_size: int
+    matryoshka: bool  # config.json's is_matryoshka or matryoshka_dimensions: a prefix is an embedding too
+    matryoshka_dimensions: tuple[int, ...] | None
+
+    def sequence(self, params: PoolingParams) -> Pooling:
+        """One request's pooling; ValueError, naming the field, for params this model cannot serve."""
+        dims = self.dimensions if params.dimensions is None else params.dimensions
+        if dims is not None:
+            if not self.matryoshka:
+                raise ValueError(
+                    "dimensions must be unset: the model does not support Matryoshka embeddings "
+                    f"(received dimensions={dims})"
+                )
+            if not 1 <= dims <= self.hidden_size:
+                raise ValueError(f"dimensions must be in [1, {self.hidden_size}], got {dims}")
+            mds = self.matryoshka_dimensions
+            if mds is not None and dims not in mds:
+                raise ValueError(f"dimensions must be one of the model's Matryoshka dimensions {list(mds)}")
+        normalize = self.normalize if params.use_activation is None else params.use_activation
+        return Pooling(self.kind, normalize, dims)
+
+
+@dataclass(slots=True, eq=False)
+class Pooling:
+    """One sequence's embedding, gathered over its prompt's chunks."""
+
+    kind: Kind
+    normalize: bool
+    dimensions: int | None
+    acc: torch.Tensor | None = None  # MEAN: the sum of its rows so far; CLS: its first row
+
+    @property
+    def reads_cache(self) -> bool:
+        """Only the last row is computed for a prompt served from the prefix cache, which is all LAST
+        needs."""
+        return self.kind == "LAST"
+
+    def take(self, rows: torch.Tensor, start: int, total: int) -> torch.Tensor | None:
+        """This step's rows of the prompt, the first at position `start` of `total`; the embedding once
+        the last row is in (float32, as vLLM's pooler head)."""
+        if self.kind == "MEAN":
+            part = rows.sum(0, dtype=torch.float32)
+            self.acc = part if start == 0 or self.acc is None else self.acc + part
+        elif self.kind == "CLS" and start == 0:
+            self.acc = rows[0].float()
+        if start + len(rows) < total:
+            return None
+        assert self.kind == "LAST" or self.acc is not None
+        v = rows[-1].float() if self.kind == "LAST" else self.acc / (total if self.kind == "MEAN" else 1)
+        if self.dimensions is not None:
+            v = v[: self.dimensions]
+        return F.normalize(v, dim=-1) if self.normalize else v
+
+
+def resolve_pooler(model: ModelConfig, path: Path, hidden_size: int) -> Pooler | None:
+    """The model's pooler when it is served for embeddings (runner pooling, or auto with a
+    sentence-transformers pooling module), else None: it generates."""
+    st = _sentence_transformers(path)
+    if model.runner == "generate" or (model.runner == "auto" and st is None):
+        return None
+    given = model.pooler_config
+    st = st or {}
+    kind: Kind = (given and given.pooling_type) or st.get("kind") or "LAST"
+    normalize = (
+        given.use_activation if given and given.use_activation is not None else st.get("normalize", True)
+    )
+    config = json.loads((path / "config.json").read_text())
+    mds = config.get("matryoshka_dimensions")
+    pooler = Pooler(
+        kind,
+        normalize,
+        given.dimensions if given else None,
+        hidden_size,
+        bool(mds) or bool(config.get("is_matryoshka")),
+        tuple(mds) if mds else None,
+    )
+    if pooler.dimensions is not None:
+        pooler.sequence(PoolingParams())  # the server's default dimensions, checked once
+    log.info("pooling runner: %s pooling, %snormalized", kind, "" if normalize else "not ")
+    return pooler
+
+
+def _sentence_transformers(path: Path) -> dict[str, Any] | None:
+    """What a sentence-transformers modules.json says of pooling and normalizing (None: no Pooling
+    module)."""
+    modules_file = path / "modules.json"
+    if not modules_file.is_file():
+        return None
+    modules = json.loads(modules_file.read_text())
+    types = [m.get("type", "") for m in modules]
+    pooling = next((m for m in modules if m.get("type") == _ST_POOLING), None)
+    if pooling is None:
+        return None
+    for t in types:
+        if t not in (_ST_POOLING, _ST_NORMALIZE, "sentence_transformers.models.Transformer"):
+            raise ValueError(f"{modules_file}: module {t} is not supported (kiln pools and normalizes only)")
+    out: dict[str, Any] = {"normalize": _ST_NORMALIZE in types}
+    pooling_file = path / pooling.get("path", "") / "config.json"
+    settings = json.loads(pooling_file.read_text()) if pooling_file.is_file() else {}
+    names = [settings["pooling_mode"]] if isinstance(settings.get("pooling_mode"), str) else []
+    names += [k for k, v in settings.items() if k.startswith("pooling_mode_") and v is True]
+    if names:
+        name = names[0].removeprefix("pooling_mode_").split("_", 1)[0]
+        kind = {"lasttoken": "LAST", "mean": "MEAN", "cls": "CLS"}.get(name)
+        if kind is None:
+            raise ValueError(
+                f"{pooling_file}: pooling mode {names[0]!r} is not supported (lasttoken, mean, cls)"
+            )
+        out["kind"] = kind
+    return out

@@ -1,0 +1,158 @@
+"""/v1/embeddings from a pooling model (--runner pooling) through the OpenAI SDK and raw HTTP: text, token
+ids and chat messages in; floats and base64 of each dtype and byte order out, equal to transformers'
+normalized last hidden state; Matryoshka dimensions, truncation, and vLLM's errors, including the 501s
+of the APIs the other kind of model does not serve."""
+
+from __future__ import annotations
+
+import base64
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import openai
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from tests.api.server import Server, expect_error, post, start_server
+from tests.conftest import API_KEY
+from tests.models.tiny import build_default_vocab
+
+pytestmark = pytest.mark.slow
+
+NAME = "tiny-embed"
+TEXTS = ["The sea is grey and restless.", "Bread", "Rivers shape the land they cross, slowly, over ages."]
+
+
+@pytest.fixture(scope="module")
+def embed_model(tmp_path_factory: pytest.TempPathFactory, default_model_dir: Path) -> Path:
+    path = build_default_vocab(tmp_path_factory.mktemp("tiny-embed"), default_model_dir)
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps(config | {"matryoshka_dimensions": [16, 32]}))
+    return path
+
+
+@pytest.fixture(scope="module")
+def embed_server(tmp_path_factory: pytest.TempPathFactory, embed_model: Path) -> Iterator[Server]:
+    config = {
+        "model": {"model": str(embed_model), "max_model_len": 64, "dtype": "float32"},
+        "cache": {"kv_cache_gib": 0.02},
+        "compile": {"mode": "eager"},
+        "server": {"api_key": API_KEY, "served_model_name": NAME},
+    }
+    srv = start_server(tmp_path_factory.mktemp("serve-embed"), config, "--runner", "pooling")
+    yield srv
+    assert srv.stop() == 0, srv.output()
+
+
+@pytest.fixture(scope="module")
+def reference(embed_model: Path) -> tuple[torch.nn.Module, object]:
+    model = AutoModelForCausalLM.from_pretrained(embed_model, dtype=torch.float32).eval()
+    return model, AutoTokenizer.from_pretrained(embed_model)
+
+
+def expected(reference: tuple[torch.nn.Module, object], ids: list[int], dims: int = 64) -> np.ndarray:
+    with torch.no_grad():
+        h = reference[0].model(torch.tensor([ids])).last_hidden_state[0, -1]
+    return F.normalize(h[:dims], dim=-1).numpy()
+
+
+def client(server: Server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0, timeout=60)
+
+
+def test_the_sdk_gets_each_texts_normalized_last_hidden_state(embed_server: Server, reference: tuple) -> None:
+    tokenizer = reference[1]
+    ids = [tokenizer.encode(t) for t in TEXTS]
+    for fmt in (openai.NOT_GIVEN, "float"):  # unless told, the SDK asks for base64 and decodes it
+        got = client(embed_server).embeddings.create(model=NAME, input=TEXTS, encoding_format=fmt)
+        assert got.model == NAME and got.object == "list"
+        assert [d.index for d in got.data] == [0, 1, 2]
+        assert got.usage.prompt_tokens == got.usage.total_tokens == sum(map(len, ids))
+        for d, one in zip(got.data, ids, strict=True):
+            np.testing.assert_allclose(d.embedding, expected(reference, one), atol=1e-5)
+
+
+def test_token_ids_and_matryoshka_dimensions(embed_server: Server, reference: tuple) -> None:
+    ids = [5, 900, 17, 4000, 23]
+    got = client(embed_server).embeddings.create(model=NAME, input=ids, dimensions=16)
+    np.testing.assert_allclose(got.data[0].embedding, expected(reference, ids, 16), atol=1e-5)
+    r = post(embed_server, "/v1/embeddings", json={"input": ids, "dimensions": 8})
+    assert "Matryoshka dimensions [16, 32]" in expect_error(r, 400, "BadRequestError", "dimensions")
+
+
+def test_a_conversation_is_embedded_through_the_chat_template(embed_server: Server, reference: tuple) -> None:
+    messages = [{"role": "user", "content": "Hello there"}]
+    r = post(embed_server, "/v1/embeddings", json={"messages": messages, "model": NAME})
+    assert r.status_code == 200, r.text
+    ids = reference[1].apply_chat_template(messages, add_generation_prompt=False, return_dict=False)
+    assert r.json()["usage"]["prompt_tokens"] == len(ids)
+    np.testing.assert_allclose(r.json()["data"][0]["embedding"], expected(reference, ids), atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "endianness", "numpy_dtype"),
+    [("float16", "big", ">f2"), ("float32", "little", "<f4"), ("bfloat16", "native", None)],
+)
+def test_base64_in_each_dtype_and_byte_order(
+    embed_server: Server, reference: tuple, dtype: str, endianness: str, numpy_dtype: str | None
+) -> None:
+    body = {"input": TEXTS[0], "encoding_format": "base64", "embed_dtype": dtype, "endianness": endianness}
+    r = post(embed_server, "/v1/embeddings", json=body)
+    assert r.status_code == 200, r.text
+    raw = base64.b64decode(r.json()["data"][0]["embedding"])
+    if numpy_dtype is None:  # bfloat16: the high half of a float32
+        got = torch.frombuffer(bytearray(raw), dtype=torch.bfloat16).float().numpy()
+    else:
+        got = np.frombuffer(raw, dtype=numpy_dtype).astype(np.float32)
+    np.testing.assert_allclose(got, expected(reference, reference[1].encode(TEXTS[0])), atol=1e-2)
+
+
+def test_truncation_and_the_context_limit(embed_server: Server, reference: tuple) -> None:
+    ids = list(range(100, 170))  # 70 tokens, over max_model_len 64
+    r = post(embed_server, "/v1/embeddings", json={"input": ids})
+    assert "maximum context length is 64" in expect_error(r, 400, "BadRequestError", "input")
+    for side, kept in (("left", ids[-10:]), ("right", ids[:10])):
+        body = {"input": ids, "truncate_prompt_tokens": 10, "truncation_side": side}
+        r = post(embed_server, "/v1/embeddings", json=body)
+        np.testing.assert_allclose(r.json()["data"][0]["embedding"], expected(reference, kept), atol=1e-5)
+    r = post(embed_server, "/v1/embeddings", json={"input": ids, "truncate_prompt_tokens": -1})
+    assert r.json()["usage"]["prompt_tokens"] == 64
+    r = post(embed_server, "/v1/embeddings", json={"input": ids, "truncate_prompt_tokens": 65})
+    expect_error(r, 400, "BadRequestError", "truncate_prompt_tokens")
+
+
+def test_bad_embedding_requests_name_their_field(embed_server: Server) -> None:
+    r = post(embed_server, "/v1/embeddings", json={"input": "a", "normalize": True})
+    assert "normalize" in expect_error(r, 400, "BadRequestError", "normalize")
+    r = post(embed_server, "/v1/embeddings", json={"input": "a", "encoding_format": "bytes"})
+    expect_error(r, 400, "BadRequestError", "encoding_format")
+    r = post(
+        embed_server, "/v1/embeddings", json={"input": "a", "messages": [{"role": "user", "content": "b"}]}
+    )
+    expect_error(r, 400, "BadRequestError", "input")
+    r = post(embed_server, "/v1/embeddings", json={"input": [5, 10**6]})
+    expect_error(r, 400, "BadRequestError", "input")
+
+
+def test_a_pooling_model_does_not_generate_and_sagemaker_gets_embeddings(embed_server: Server) -> None:
+    for path, api, body in (
+        ("/v1/chat/completions", "Chat Completions", {"messages": [{"role": "user", "content": "hi"}]}),
+        ("/v1/completions", "Completions", {"prompt": "hi"}),
+        ("/v1/responses", "Responses", {"input": "hi"}),
+    ):
+        message = expect_error(post(embed_server, path, json=body), 501, "NotImplementedError")
+        assert message == f"The model does not support {api} API"
+    r = post(embed_server, "/invocations", json={"input": ["a", "b"]})
+    assert r.status_code == 200 and len(r.json()["data"]) == 2, r.text
+    assert post(embed_server, "/tokenize", json={"prompt": "hi"}).status_code == 200
+
+
+def test_a_generating_model_does_not_embed(tiny_server: Server) -> None:
+    message = expect_error(
+        post(tiny_server, "/v1/embeddings", json={"input": "hi"}), 501, "NotImplementedError"
+    )
+    assert message == "The model does not support Embeddings API"
