@@ -13,6 +13,7 @@ from starlette.requests import Request
 from kiln.api.errors import APIError
 from kiln.api.inputs import Inputs, prompt_list
 from kiln.api.protocol import EmbeddingRequest
+from kiln.api.request_log import log_requests
 from kiln.api.responses import EmbeddingData, EmbeddingResponse, Usage
 from kiln.api.serving import final_outputs, response_id, start_all
 from kiln.engine.async_engine import AsyncEngine
@@ -40,6 +41,7 @@ async def create_embedding(
         raise APIError(400, str(e), "dimensions") from None
     prompts = await _prompts(inputs, body)
     rid = response_id("embd-", request, body.request_id)
+    await log_requests(inputs, rid, prompts, [params] * len(prompts))
     streams = start_all(engine, request, body, rid, prompts, [params] * len(prompts))
     finals = await final_outputs(request, streams)
     if finals is None:

@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 
 from kiln.api.inputs import Inputs
 from kiln.config import ServerConfig
 from kiln.engine.output import RequestOutput, merge
+from kiln.pooling_params import PoolingParams
 from kiln.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -21,7 +22,10 @@ def _name(response_id: str, i: int, count: int) -> str:
 
 
 async def log_requests(
-    inputs: Inputs, response_id: str, prompts: list[list[int]], params: list[SamplingParams]
+    inputs: Inputs,
+    response_id: str,
+    prompts: list[list[int]],
+    params: Sequence[SamplingParams | PoolingParams],
 ) -> None:
     """Each prompt, as text (decoded on the inputs' worker where the body is large) and ids, and its
     params, as the engine gets them."""

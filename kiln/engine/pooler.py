@@ -74,7 +74,7 @@ class Pooling:
             part = rows.sum(0, dtype=torch.float32)
             self.acc = part if start == 0 or self.acc is None else self.acc + part
         elif self.kind == "CLS" and start == 0:
-            self.acc = rows[0].float()
+            self.acc = rows[0].to(torch.float32, copy=True)  # kept past this step's hidden states
         if start + len(rows) < total:
             return None
         assert self.kind == "LAST" or self.acc is not None
