@@ -1,7 +1,8 @@
 """Embedding throughput through /v1/embeddings: each server of the list is started in turn; a warmup, then
 `--requests` requests, `--concurrency` at a time, each with `--batch` texts of about `--words` words
-(seeded, so every server gets the same texts). Reported per server: inputs and prompt tokens a second,
-and the cosine between each probe text's embedding and the first server's (the servers should agree).
+(seeded: every server gets the same texts, and new ones each repeat). Reported per server: inputs and
+prompt tokens a second, and the cosine between each probe text's embedding and the first server's (the
+servers should agree).
 
     .venv/bin/python perf/embed_bench.py --servers configs/perf/servers-embed-cpu.yaml
 """
@@ -58,8 +59,10 @@ def embed(client: httpx.Client, model: str, inputs: list[str]) -> dict:
     return r.json()
 
 
-def run(client: httpx.Client, model: str, args: argparse.Namespace) -> dict[str, float]:
-    bodies = [texts(args.batch, args.words, seed) for seed in range(args.requests)]
+def run(client: httpx.Client, model: str, args: argparse.Namespace, repeat: int) -> dict[str, float]:
+    """New texts each repeat: a repeat of the last one's would be served from the prefix cache."""
+    seeds = range(repeat * args.requests, (repeat + 1) * args.requests)
+    bodies = [texts(args.batch, args.words, seed) for seed in seeds]
     clock = time.perf_counter()
     with concurrent.futures.ThreadPoolExecutor(args.concurrency) as pool:
         replies = list(pool.map(lambda b: embed(client, model, b), bodies))
@@ -95,7 +98,7 @@ def main() -> None:
             headers = {"Authorization": f"Bearer {server.api_key}"} if server.api_key else {}
             with httpx.Client(base_url=server.base_url, headers=headers) as client:
                 got = np.array([d["embedding"] for d in embed(client, server.model, probes)["data"]])
-                runs = [run(client, server.model, args) for _ in range(args.repeats)]
+                runs = [run(client, server.model, args, i) for i in range(args.repeats)]
         finally:
             stop(proc)
         first = got if first is None else first
