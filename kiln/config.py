@@ -239,12 +239,29 @@ class ServerConfig(_Section):
     # rate), at INFO while there is work; --disable-log-stats turns it off.
     disable_log_stats: bool = False
     log_stats_interval: Annotated[float, Meta(gt=0)] = 10.0
+    disable_uvicorn_access_log: bool = False  # vLLM's name: no access log at all
+    # HTTPS (vLLM's --ssl-*): the server's certificate chain and key; with ssl_ca_certs and ssl_cert_reqs 2
+    # (ssl.CERT_REQUIRED), clients must show a certificate that CA signed.
+    ssl_certfile: str | None = None
+    ssl_keyfile: str | None = None
+    ssl_ca_certs: str | None = None
+    ssl_cert_reqs: Annotated[int, Meta(ge=0, le=2)] = 0
+    # Server-wide defaults for request fields, as vLLM's flags of the same names: the role of chat replies,
+    # logprobs' tokens as "token_id:{id}", usage in every stream, and chat_template_kwargs under a request's.
+    response_role: str = "assistant"
+    return_tokens_as_token_ids: bool = False
+    enable_force_include_usage: bool = False
+    default_chat_template_kwargs: dict[str, Any] | None = None
+    # A request's own chat_template is refused unless this is set: a template is code the server runs.
+    trust_request_chat_template: bool = False
 
     @property
     def api_keys(self) -> list[str]:
         return [self.api_key] if isinstance(self.api_key, str) else self.api_key or []
 
     def __post_init__(self) -> None:
+        if (self.ssl_certfile is None) != (self.ssl_keyfile is None):
+            raise ValueError("server.ssl_certfile and server.ssl_keyfile go together")
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
             raise ValueError(
                 "server.enable_auto_tool_choice needs server.tool_call_parser "

@@ -85,10 +85,10 @@ async def chat(
     # As vLLM: tool_choice "none" keeps the tools out of the prompt too.
     tools = body.tools if calls or auto else None
     ids = await inputs.chat_ids(body, tools)
-    # As vLLM: the reply's role is the last message's when no generation prompt opens a new one, and echo
-    # starts the reply with that message where it has the reply's role.
+    # As vLLM: the reply's role is the server's (--response-role) where a generation prompt opens a new
+    # message, else the last message's; echo starts the reply with that message where it has the role.
     last = body.messages[-1]
-    role = "assistant" if body.add_generation_prompt else last.role
+    role = inputs.limits.response_role if body.add_generation_prompt else last.role
     echo = _text(last.content) if body.echo and last.role == role else ""
     k = (body.top_logprobs or 0) if body.logprobs else None
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens

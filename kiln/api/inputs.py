@@ -16,6 +16,7 @@ from typing import Any, TypeVar
 
 import msgspec
 
+from kiln.api.defaults import with_defaults
 from kiln.api.errors import APIError
 from kiln.api.protocol import ChatMessage, ChatRender, CompletionRequest, Tool, _SamplingRequest
 from kiln.config import ServerConfig
@@ -71,7 +72,8 @@ class Inputs:
         return await asyncio.get_running_loop().run_in_executor(self.pool, functools.partial(fn, *args))
 
     async def parse(self, data: bytes, kind: type[T]) -> T:
-        return await self.run(_parse, data, kind)
+        """The body, with the server's defaults for the fields it leaves unset (kiln.api.defaults)."""
+        return with_defaults(await self.run(_parse, data, kind), self.limits)
 
     # -- limits ---------------------------------------------------------------------------------
 
@@ -158,6 +160,13 @@ class Inputs:
         chars = sum(_content_chars(m) for m in messages)
         chars += sum(len(v) for d in body.documents or () for v in d.values())
         self.check_chars(chars, "messages")
+        if body.chat_template is not None and not self.limits.trust_request_chat_template:
+            raise APIError(
+                400,
+                "Chat template is passed with request, but --trust-request-chat-template is not set. "
+                "Refused request with untrusted chat template.",
+                "chat_template",
+            )
         if body.continue_final_message and body.add_generation_prompt:
             raise APIError(
                 400,
@@ -200,8 +209,8 @@ def render_messages(
     tokenizer: Any, messages: list[ChatMessage], body: ChatRender, tools: list[Tool] | None = None
 ) -> list[int]:
     """The request's messages (text content parts joined) through the model's chat template. The
-    template's variables may come from the request, but never the template itself or the call's own
-    arguments: a request's template could run unbounded loops (vLLM refuses it too)."""
+    template's variables may come from the request, but never the call's own arguments, nor the template
+    itself unless the server trusts it (Inputs.chat_ids): a template could run unbounded loops."""
     chat_template_kwargs = body.chat_template_kwargs
     reserved = set(inspect.signature(tokenizer.apply_chat_template).parameters)
     for key in chat_template_kwargs or {}:
@@ -246,6 +255,7 @@ def render_messages(
             continue_final_message=body.continue_final_message,
             add_special_tokens=body.add_special_tokens,
             documents=body.documents,
+            chat_template=body.chat_template,
         )
     except ValueError as e:
         raise APIError(400, str(e), "messages") from None

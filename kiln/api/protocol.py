@@ -152,6 +152,7 @@ class ChatRender(Protocol):
     chat_template_kwargs: dict[str, Any] | None
     reasoning_effort: ReasoningEffort | None  # the template's reasoning_effort (and enable_thinking)
     documents: list[dict[str, str]] | None  # for a template that shows them (RAG)
+    chat_template: str | None  # the request's own (server.trust_request_chat_template)
 
 
 class ChatCompletionRequest(_SamplingRequest, kw_only=True):
@@ -166,6 +167,7 @@ class ChatCompletionRequest(_SamplingRequest, kw_only=True):
     echo: bool = False  # vLLM's: the reply starts with the last message, where it has the reply's role
     documents: list[dict[str, str]] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    chat_template: str | None = None
     reasoning_effort: ReasoningEffort | None = None
     return_prompt_text: bool = False  # the prompt the model was given, as text
     include_reasoning: bool = True  # vLLM's: the reasoning in the reply, with a reasoning parser
@@ -182,6 +184,7 @@ class TokenizeRequest(msgspec.Struct, kw_only=True):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    chat_template: str | None = None
     reasoning_effort: ReasoningEffort | None = None
     documents: list[dict[str, str]] | None = None
     return_token_strs: bool = False
@@ -214,5 +217,6 @@ class EmbeddingRequest(_Strict):
     add_generation_prompt: bool = False
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    chat_template: str | None = None
     reasoning_effort: ReasoningEffort | None = None
     documents: list[dict[str, str]] | None = None

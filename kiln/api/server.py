@@ -6,6 +6,7 @@ import asyncio
 import logging
 import signal
 import socket
+import ssl
 
 from hypercorn.asyncio import serve as hypercorn_serve
 from hypercorn.config import Config as HypercornConfig
@@ -51,9 +52,14 @@ async def serve(
     hc = HypercornConfig()
     hc.bind = [f"fd://{sock.detach()}"]  # Hypercorn owns the socket from here
     hc.graceful_timeout = _CLOSE_GRACE_S
-    hc.accesslog = logging.getLogger("kiln.access")
-    if config.server.disable_access_log_for_endpoints:
-        hc.accesslog.addFilter(_Unlogged(config.server.disable_access_log_for_endpoints))
+    s = config.server
+    if s.ssl_certfile is not None:  # Hypercorn serves its `bind` (our socket) over TLS when these are set
+        hc.certfile, hc.keyfile, hc.ca_certs, hc.verify_mode = (
+            s.ssl_certfile, s.ssl_keyfile, s.ssl_ca_certs, ssl.VerifyMode(s.ssl_cert_reqs)
+        )  # fmt: skip
+    hc.accesslog = None if s.disable_uvicorn_access_log else logging.getLogger("kiln.access")
+    if s.disable_access_log_for_endpoints and hc.accesslog is not None:
+        hc.accesslog.addFilter(_Unlogged(s.disable_access_log_for_endpoints))
     hc.errorlog = logging.getLogger("hypercorn.error")
     hc.access_log_format = '%(h)s "%(r)s" %(s)s %(b)s %(L)ss'
     await hypercorn_serve(app.starlette, hc, shutdown_trigger=app.stopped.wait)  # type: ignore[arg-type]

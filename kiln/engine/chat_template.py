@@ -15,14 +15,16 @@ def render_chat(
     continue_final_message: bool = False,
     add_special_tokens: bool = False,
     documents: list[dict[str, str]] | None = None,
+    chat_template: str | None = None,
 ) -> list[int]:
     """Raises ValueError for empty messages, a model without a template, or messages it refuses. tools:
     OpenAI's tool definitions, for a template that shows them to the model; continue_final_message: the last
     message left open, for the model to go on with it; add_special_tokens: the tokenizer's special tokens
-    (a BOS) on top of the template's; documents: for a template that shows them (RAG)."""
+    (a BOS) on top of the template's; documents: for a template that shows them (RAG); chat_template: a
+    Jinja template in place of the tokenizer's."""
     if not messages:
         raise ValueError("messages must not be empty")
-    if tokenizer.chat_template is None:
+    if chat_template is None and tokenizer.chat_template is None:
         raise ValueError("this model has no chat template; use /v1/completions")
     try:
         rendered = tokenizer.apply_chat_template(
@@ -33,6 +35,7 @@ def render_chat(
             return_dict=False,
             tools=tools,
             documents=documents,
+            chat_template=chat_template,
             **(chat_template_kwargs or {}),
         )
     except Exception as e:  # jinja raises for conversations the template refuses

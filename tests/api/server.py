@@ -6,6 +6,7 @@ import ctypes
 import os
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import time
@@ -56,7 +57,10 @@ class Server:
         return self.proc.wait()
 
 
-def start_server(tmp: Path, config: dict, *flags: str, env: dict[str, str] | None = None) -> Server:
+def start_server(
+    tmp: Path, config: dict, *flags: str, env: dict[str, str] | None = None, tls: ssl.SSLContext | None = None
+) -> Server:
+    """tls: the server speaks HTTPS, to clients that trust what this context trusts."""
     config_path = tmp / "serve.yaml"
     config_path.write_text(yaml.safe_dump(config))
     port = free_port()
@@ -70,13 +74,13 @@ def start_server(tmp: Path, config: dict, *flags: str, env: dict[str, str] | Non
             env={**os.environ, **(env or {})},
             preexec_fn=die_with_parent,
         )
-    server = Server(proc, f"http://127.0.0.1:{port}", log)
+    server = Server(proc, f"{'https' if tls else 'http'}://127.0.0.1:{port}", log)
     deadline = time.monotonic() + READY_TIMEOUT_S
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"kiln serve exited with {proc.returncode}:\n{server.output()}")
         try:
-            status = httpx.get(f"{server.url}/health", timeout=5).status_code
+            status = httpx.get(f"{server.url}/health", timeout=5, verify=tls or True).status_code
         except httpx.TransportError:
             time.sleep(0.1)
             continue

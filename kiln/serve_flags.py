@@ -1,0 +1,127 @@
+"""`kiln serve`'s flags: vLLM's names for the config keys they set."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+# vLLM's flag -> (config section, key). Flags left unset keep the config file's value.
+SERVE_FLAGS: dict[str, tuple[str, str, dict]] = {
+    "--model": ("model", "model", {"help": "model folder, or 'default' (SmolLM2-135M-Instruct)"}),
+    "--served-model-name": ("server", "served_model_name", {"nargs": "+", "metavar": "NAME"}),
+    "--chat-template": ("model", "chat_template", {"metavar": "FILE_OR_TEMPLATE"}),
+    "--host": ("server", "host", {}),
+    "--port": ("server", "port", {"type": int}),
+    "--api-key": (
+        "server",
+        "api_key",
+        {"nargs": "+", "metavar": "KEY", "help": "require 'Authorization: Bearer KEY' on /v1/* (any one)"},
+    ),
+    "--allowed-origins": ("server", "allowed_origins", {"type": json.loads, "metavar": "JSON"}),
+    "--allowed-methods": ("server", "allowed_methods", {"type": json.loads, "metavar": "JSON"}),
+    "--allowed-headers": ("server", "allowed_headers", {"type": json.loads, "metavar": "JSON"}),
+    "--allow-credentials": ("server", "allow_credentials", {"action": "store_true"}),
+    "--disable-access-log-for-endpoints": (
+        "server",
+        "disable_access_log_for_endpoints",
+        {"type": lambda s: s.split(","), "metavar": "PATHS", "help": "e.g. /health,/metrics"},
+    ),
+    "--max-model-len": ("model", "max_model_len", {"type": int}),
+    "--max-num-seqs": ("scheduler", "max_num_seqs", {"type": int}),
+    "--max-num-batched-tokens": ("scheduler", "max_num_batched_tokens", {"type": int}),
+    "--long-prefill-token-threshold": ("scheduler", "long_prefill_token_threshold", {"type": int}),
+    "--async-scheduling": (
+        "scheduler",
+        "async_scheduling",
+        {"action": argparse.BooleanOptionalAction, "help": "schedule a step while the last runs (CUDA)"},
+    ),
+    "--scheduling-policy": ("scheduler", "policy", {"choices": ["fcfs", "priority"]}),
+    "--block-size": ("cache", "block_size", {"type": int}),
+    "--kv-cache-gib": ("cache", "kv_cache_gib", {"type": float}),
+    "--dtype": ("model", "dtype", {"choices": ["auto", "float32", "bfloat16", "float16"]}),
+    "--device": ("model", "device", {}),
+    "--seed": ("model", "seed", {"type": int}),
+    "--max-logprobs": ("model", "max_logprobs", {"type": int, "help": "the most logprobs a request may ask"}),
+    "--generation-config": ("model", "generation_config", {"help": "auto, vllm, or a folder"}),
+    "--override-generation-config": (
+        "model",
+        "override_generation_config",
+        {"type": json.loads, "metavar": "JSON", "help": "laid over the generation config"},
+    ),
+    "--drain-timeout": ("server", "drain_timeout", {"type": float, "help": "seconds SIGTERM waits"}),
+    "--gpu-memory-utilization": ("cache", "gpu_memory_utilization", {"type": float}),
+    "--tensor-parallel-size": ("parallel", "tensor_parallel_size", {"type": int}),
+    "--compile-mode": ("compile", "mode", {"choices": ["auto", "eager", "compiled", "cudagraph"]}),
+    "--deterministic": ("backend", "deterministic", {"action": "store_true", "help": "batch-invariant CUDA"}),
+    "--cpu-threads-bind": ("backend", "cpu_threads_bind", {"help": "auto, nobind, or CPUs such as 0-3,8"}),
+    "--compile-cache": ("compile", "cache_file", {"metavar": "FILE", "help": "a kiln warmup --export file"}),
+    "--max-n-sequences": ("server", "max_n_sequences", {"type": int, "help": "largest n a request may ask"}),
+    "--max-stop-strings": ("server", "max_stop_strings", {"type": int}),
+    "--max-completion-prompts": ("server", "max_completion_prompts", {"type": int}),
+    "--loop-nice": ("server", "loop_nice", {"type": int, "help": "event loop's nice above the engine's"}),
+    "--max-prompt-chars": ("server", "max_prompt_chars", {"type": int, "help": "checked before tokenizing"}),
+    "--enable-auto-tool-choice": (
+        "server",
+        "enable_auto_tool_choice",
+        {"action": "store_true", "help": 'tool_choice "auto", parsed by --tool-call-parser'},
+    ),
+    "--tool-call-parser": (
+        "server",
+        "tool_call_parser",
+        {"choices": ["hermes", "llama3_json", "mistral", "qwen3_coder", "pythonic"]},
+    ),
+    "--reasoning-parser": ("model", "reasoning_parser", {"choices": ["deepseek_r1", "qwen3"]}),
+    "--runner": (
+        "model",
+        "runner",
+        {"choices": ["auto", "generate", "pooling"], "help": "pooling: embeddings"},
+    ),
+    "--pooler-config": (
+        "model",
+        "pooler_config",
+        {"type": json.loads, "metavar": "JSON", "help": 'e.g. {"pooling_type": "MEAN"}'},
+    ),
+    "--enable-request-id-headers": (
+        "server",
+        "enable_request_id_headers",
+        {"action": "store_true", "help": "an X-Request-Id header on every response"},
+    ),
+    "--stream-interval": ("server", "stream_interval", {"type": int, "help": "tokens per streamed chunk"}),
+    "--enable-log-requests": (
+        "server",
+        "enable_log_requests",
+        {"action": "store_true", "help": "log each request's prompt and sampling params"},
+    ),
+    "--disable-log-stats": (
+        "server",
+        "disable_log_stats",
+        {"action": "store_true", "help": "no periodic throughput and queue line"},
+    ),
+    "--enable-log-outputs": (
+        "server",
+        "enable_log_outputs",
+        {"action": "store_true", "help": "log each finished choice's text and token ids"},
+    ),
+    "--max-log-len": ("server", "max_log_len", {"type": int, "help": "prompt characters and ids logged"}),
+    "--enable-prompt-tokens-details": (
+        "server",
+        "enable_prompt_tokens_details",
+        {"action": "store_true", "help": "usage.prompt_tokens_details.cached_tokens"},
+    ),
+    "--tokenizer": ("model", "tokenizer", {"help": "a tokenizer folder (default: the model's)"}),
+    "--enable-prefix-caching": ("cache", "enable_prefix_caching", {"action": argparse.BooleanOptionalAction}),
+    "--disable-uvicorn-access-log": ("server", "disable_uvicorn_access_log", {"action": "store_true"}),
+    "--ssl-certfile": ("server", "ssl_certfile", {"metavar": "FILE"}),
+    "--ssl-keyfile": ("server", "ssl_keyfile", {"metavar": "FILE"}),
+    "--ssl-ca-certs": ("server", "ssl_ca_certs", {"metavar": "FILE"}),
+    "--ssl-cert-reqs": ("server", "ssl_cert_reqs", {"type": int, "help": "2: clients need a certificate"}),
+    "--response-role": ("server", "response_role", {"help": "the role of chat replies"}),
+    "--return-tokens-as-token-ids": ("server", "return_tokens_as_token_ids", {"action": "store_true"}),
+    "--enable-force-include-usage": ("server", "enable_force_include_usage", {"action": "store_true"}),
+    "--default-chat-template-kwargs": (
+        "server",
+        "default_chat_template_kwargs",
+        {"type": json.loads, "metavar": "JSON", "help": 'e.g. {"enable_thinking": false}'},
+    ),
+    "--trust-request-chat-template": ("server", "trust_request_chat_template", {"action": "store_true"}),
+}

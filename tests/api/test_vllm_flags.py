@@ -1,0 +1,112 @@
+"""vLLM's serve flags that set server-wide behaviour, on one server started with all of them: HTTPS
+(--ssl-*), --tokenizer, --no-enable-prefix-caching, --response-role, --return-tokens-as-token-ids,
+--enable-force-include-usage, --default-chat-template-kwargs with --trust-request-chat-template,
+--disable-uvicorn-access-log and --trust-remote-code; and a request's own chat template refused where the
+server does not trust it."""
+
+from __future__ import annotations
+
+import json
+import ssl
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.api.server import AUTH, Server, expect_error, post, start_server
+from tests.conftest import API_KEY
+from tests.models.tiny import build_default_vocab
+
+pytestmark = pytest.mark.slow
+
+TLS = Path(__file__).parent / "tls"  # a self-signed certificate for 127.0.0.1, valid for a century
+TEMPLATE = "{{ greeting }}{% for m in messages %} {{ m.content }}{% endfor %}"
+HI = [{"role": "user", "content": "hello"}]
+
+
+@pytest.fixture(scope="module")
+def trust() -> ssl.SSLContext:
+    return ssl.create_default_context(cafile=str(TLS / "cert.pem"))
+
+
+@pytest.fixture(scope="module")
+def flagged(
+    tmp_path_factory: pytest.TempPathFactory, default_model_dir: Path, trust: ssl.SSLContext
+) -> Iterator[Server]:
+    # The folder's tokenizer has a token the default one lacks: --tokenizer makes it several tokens.
+    model = build_default_vocab(tmp_path_factory.mktemp("tiny-flags"), default_model_dir, added=("<odd>",))
+    config = {
+        "model": {"model": str(model), "max_model_len": 256},
+        "cache": {"kv_cache_gib": 0.02},
+        "compile": {"mode": "eager"},
+        "server": {"api_key": API_KEY, "enable_prompt_tokens_details": True},
+    }
+    flags = [
+        *("--ssl-certfile", str(TLS / "cert.pem"), "--ssl-keyfile", str(TLS / "key.pem")),
+        *("--tokenizer", str(default_model_dir), "--no-enable-prefix-caching", "--response-role", "bot"),
+        *("--return-tokens-as-token-ids", "--enable-force-include-usage", "--trust-request-chat-template"),
+        *("--default-chat-template-kwargs", json.dumps({"greeting": "Ahoy"}), "--disable-uvicorn-access-log"),
+        "--trust-remote-code",
+    ]
+    srv = start_server(tmp_path_factory.mktemp("serve-flags"), config, *flags, tls=trust)
+    yield srv
+    assert srv.stop() == 0, srv.output()
+
+
+def call(server: Server, trust: ssl.SSLContext, path: str, body: dict) -> httpx.Response:
+    return httpx.post(f"{server.url}{path}", json=body, headers=AUTH, verify=trust, timeout=60)
+
+
+def test_https_only(flagged: Server, trust: ssl.SSLContext) -> None:
+    assert flagged.url.startswith("https://")
+    assert httpx.get(f"{flagged.url}/v1/models", headers=AUTH, verify=trust).status_code == 200
+    with pytest.raises(httpx.TransportError):  # a client that does not trust the certificate
+        httpx.get(f"{flagged.url}/v1/models", headers=AUTH, verify=True)
+    assert "kiln is ready at https://127.0.0.1" in flagged.output()
+
+
+def test_the_tokenizer_is_the_flags_and_nothing_is_cached(flagged: Server, trust: ssl.SSLContext) -> None:
+    r = call(flagged, trust, "/tokenize", {"prompt": "<odd>", "add_special_tokens": False})
+    assert r.json()["count"] > 1
+    prompt = "a prompt long enough to fill one whole block of the cache " * 3
+    for _ in range(2):
+        r = call(flagged, trust, "/v1/completions", {"prompt": prompt, "max_tokens": 1})
+        assert r.json()["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
+
+
+def test_server_defaults_for_request_fields(flagged: Server, trust: ssl.SSLContext) -> None:
+    r = call(flagged, trust, "/v1/chat/completions", {"messages": HI, "max_tokens": 2, "logprobs": True})
+    choice = r.json()["choices"][0]
+    assert choice["message"]["role"] == "bot"
+    assert all(t["token"].startswith("token_id:") for t in choice["logprobs"]["content"])
+    body = {"prompt": "hello", "max_tokens": 2, "stream": True}  # no stream_options: usage all the same
+    with httpx.stream("POST", f"{flagged.url}/v1/completions", json=body, headers=AUTH, verify=trust) as s:
+        chunks = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: {")]
+    assert chunks[-1]["usage"]["completion_tokens"] == 2
+
+
+def test_a_trusted_request_template_with_the_default_kwargs_under_its_own(
+    flagged: Server, trust: ssl.SSLContext
+) -> None:
+    def ids(text: str) -> list[int]:
+        return call(flagged, trust, "/tokenize", {"prompt": text, "add_special_tokens": False}).json()[
+            "tokens"
+        ]
+
+    r = call(flagged, trust, "/tokenize", {"messages": HI, "chat_template": TEMPLATE})
+    assert r.json()["tokens"] == ids("Ahoy hello")
+    body = {"messages": HI, "chat_template": TEMPLATE, "chat_template_kwargs": {"greeting": "Hey"}}
+    assert call(flagged, trust, "/tokenize", body).json()["tokens"] == ids("Hey hello")
+
+
+def test_the_access_log_is_off_and_remote_code_is_named(flagged: Server) -> None:
+    out = flagged.output()
+    assert '"POST /tokenize' not in out and '"GET /v1/models' not in out
+    assert "--trust-remote-code changes nothing" in out
+
+
+def test_an_untrusted_request_template_is_refused(tiny_server: Server) -> None:
+    r = post(tiny_server, "/v1/chat/completions", json={"messages": HI, "chat_template": TEMPLATE})
+    message = expect_error(r, 400, "BadRequestError", "chat_template")
+    assert "--trust-request-chat-template is not set" in message
