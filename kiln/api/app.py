@@ -35,9 +35,10 @@ from kiln.api.protocol import (
     EmbeddingRequest,
     TokenizeRequest,
 )
-from kiln.api.responses import DetokenizeResponse, ModelCard, ModelList, TokenizeResponse
+from kiln.api.responses import ModelCard, ModelList
 from kiln.api.responses_api import create_response
 from kiln.api.responses_protocol import ResponsesRequest
+from kiln.api.tokenize import detokenize, tokenize
 from kiln.config import ServeConfig
 from kiln.engine.async_engine import AsyncEngine
 from kiln.engine.stats_log import log_stats
@@ -98,8 +99,8 @@ class App:
                 Route("/v1/responses", self._api(create_response, ResponsesRequest), methods=post),
                 Route("/v1/embeddings", self._api(create_embedding, EmbeddingRequest), methods=post),
                 Route("/v1/models", self._api(self._models), methods=get),
-                Route("/tokenize", self._api(self._tokenize, TokenizeRequest), methods=post),
-                Route("/detokenize", self._api(self._detokenize, DetokenizeRequest), methods=post),
+                Route("/tokenize", self._api(tokenize, TokenizeRequest), methods=post),
+                Route("/detokenize", self._api(detokenize, DetokenizeRequest), methods=post),
                 Route("/health", self._health, methods=get),
                 Route("/ping", self._health, methods=["GET", "POST"]),  # SageMaker's, as vLLM
                 Route("/invocations", self._api(invoke, msgspec.Raw), methods=post),
@@ -268,27 +269,6 @@ class App:
     async def _models(self, engine: AsyncEngine, inputs: Inputs, request: Request, body: None) -> ModelList:
         root, length = str(engine.model_path), engine.max_model_len
         return ModelList([ModelCard(id=name, root=root, max_model_len=length) for name in self.model_names])
-
-    async def _tokenize(
-        self, engine: AsyncEngine, inputs: Inputs, request: Request, body: TokenizeRequest
-    ) -> TokenizeResponse:
-        if body.messages is not None and body.prompt is None:
-            ids = await inputs.chat_ids(body)
-        elif body.prompt is not None and body.messages is None:
-            ids = await inputs.tokenize(body.prompt, body.add_special_tokens is not False)
-        else:
-            raise APIError(400, "give exactly one of prompt and messages", "prompt")
-        strs = (
-            await inputs.run(inputs.tokenizer.convert_ids_to_tokens, ids)
-            if body.return_token_strs
-            else msgspec.UNSET
-        )
-        return TokenizeResponse(len(ids), engine.max_model_len, ids, strs)
-
-    async def _detokenize(
-        self, engine: AsyncEngine, inputs: Inputs, request: Request, body: DetokenizeRequest
-    ) -> DetokenizeResponse:
-        return DetokenizeResponse(await inputs.detokenize(body.tokens))
 
     async def _health(self, request: Request) -> Response:
         try:
