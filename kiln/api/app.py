@@ -33,11 +33,14 @@ from kiln.api.protocol import (
     CompletionRequest,
     DetokenizeRequest,
     EmbeddingRequest,
+    RerankRequest,
+    ScoreRequest,
     TokenizeRequest,
 )
 from kiln.api.responses import ModelCard, ModelList
 from kiln.api.responses_api import create_response
 from kiln.api.responses_protocol import ResponsesRequest
+from kiln.api.scores import create_rerank, create_score
 from kiln.api.tokenize import detokenize, tokenize
 from kiln.config import ServeConfig
 from kiln.engine.async_engine import AsyncEngine
@@ -98,6 +101,14 @@ class App:
                 ),
                 Route("/v1/responses", self._api(create_response, ResponsesRequest), methods=post),
                 Route("/v1/embeddings", self._api(create_embedding, EmbeddingRequest), methods=post),
+                *(
+                    Route(p, self._api(create_score, ScoreRequest), methods=post)
+                    for p in ("/score", "/v1/score")
+                ),
+                *(
+                    Route(p, self._api(create_rerank, RerankRequest), methods=post)
+                    for p in ("/rerank", "/v1/rerank", "/v2/rerank")
+                ),
                 Route("/v1/models", self._api(self._models), methods=get),
                 Route("/tokenize", self._api(tokenize, TokenizeRequest), methods=post),
                 Route("/detokenize", self._api(detokenize, DetokenizeRequest), methods=post),

@@ -12,10 +12,10 @@ from starlette.requests import Request
 
 from kiln.api.errors import APIError
 from kiln.api.inputs import Inputs, prompt_list
-from kiln.api.protocol import EmbeddingRequest
+from kiln.api.protocol import EmbeddingRequest, _ScoringRequest
 from kiln.api.request_log import log_requests
 from kiln.api.responses import EmbeddingData, EmbeddingResponse, Usage
-from kiln.api.serving import final_outputs, response_id, start_all
+from kiln.api.serving import final_outputs, pooling, response_id, start_all
 from kiln.engine.async_engine import AsyncEngine
 from kiln.pooling_params import PoolingParams
 
@@ -32,26 +32,40 @@ _DTYPES = {
 async def create_embedding(
     engine: AsyncEngine, inputs: Inputs, request: Request, body: EmbeddingRequest
 ) -> EmbeddingResponse | None:
-    if engine.pooler is None:
-        raise APIError(501, "The model does not support Embeddings API")
+    pooling(engine, "Embeddings")
     params = PoolingParams(dimensions=body.dimensions, use_activation=body.use_activation)
     try:
-        engine.pooler.sequence(params)
+        engine.pooler.sequence(params)  # type: ignore[union-attr]
     except ValueError as e:
         raise APIError(400, str(e), "dimensions") from None
     prompts = await _prompts(inputs, body)
     rid = response_id("embd-", request, body.request_id)
-    await log_requests(inputs, rid, prompts, [params] * len(prompts))
-    streams = start_all(engine, request, body, rid, prompts, [params] * len(prompts))
-    finals = await final_outputs(request, streams)
-    if finals is None:
+    vectors = await embed(engine, inputs, request, body, rid, prompts, params)
+    if vectors is None:
         return None
-    data = []
-    for i, out in enumerate(finals):
-        assert out.embedding is not None
-        data.append(EmbeddingData(i, _encoded(out.embedding, body)))
+    data = [EmbeddingData(i, _encoded(v, body)) for i, v in enumerate(vectors)]
     tokens = sum(len(p) for p in prompts)
     return EmbeddingResponse(rid, engine.model_name, data, Usage(tokens, 0, tokens))
+
+
+async def embed(
+    engine: AsyncEngine,
+    inputs: Inputs,
+    request: Request,
+    body: EmbeddingRequest | _ScoringRequest,
+    rid: str,
+    prompts: list[list[int]],
+    params: PoolingParams,
+) -> list[torch.Tensor] | None:
+    """Each prompt's embedding (float32, on the host); None if the client left first."""
+    await log_requests(inputs, rid, prompts, [params] * len(prompts))
+    finals = await final_outputs(
+        request, start_all(engine, request, body, rid, prompts, [params] * len(prompts))
+    )
+    if finals is None:
+        return None
+    assert all(out.embedding is not None for out in finals)
+    return [out.embedding for out in finals]  # type: ignore[misc]
 
 
 def _encoded(v: torch.Tensor, body: EmbeddingRequest) -> list[float] | str:
@@ -70,7 +84,7 @@ async def _prompts(inputs: Inputs, body: EmbeddingRequest) -> list[list[int]]:
     if body.messages is not None:
         add = body.add_special_tokens is True
         ids = await inputs.chat_ids(msgspec.structs.replace(body, add_special_tokens=add))
-        return [_truncated(inputs, body, ids)]
+        return [truncated(inputs, body, ids)]
     return await inputs.run(_input_ids, inputs, body)
 
 
@@ -85,12 +99,12 @@ def _input_ids(inputs: Inputs, body: EmbeddingRequest) -> list[list[int]]:
     add = body.add_special_tokens is not False
     tokenizer = inputs.tokenizer
     return [
-        _truncated(inputs, body, tokenizer.encode(p, add_special_tokens=add) if isinstance(p, str) else p)
+        truncated(inputs, body, tokenizer.encode(p, add_special_tokens=add) if isinstance(p, str) else p)
         for p in prompts
     ]
 
 
-def _truncated(inputs: Inputs, body: EmbeddingRequest, ids: list[int]) -> list[int]:
+def truncated(inputs: Inputs, body: EmbeddingRequest | _ScoringRequest, ids: list[int]) -> list[int]:
     """As vLLM's pooling requests: truncate_prompt_tokens (-1: max_model_len) from the tokenizer's side
     unless truncation_side says; an embedding may fill max_model_len, and no more."""
     keep, longest = body.truncate_prompt_tokens, inputs.max_model_len

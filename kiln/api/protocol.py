@@ -220,3 +220,35 @@ class EmbeddingRequest(_Strict):
     chat_template: str | None = None
     reasoning_effort: ReasoningEffort | None = None
     documents: list[dict[str, str]] | None = None
+
+
+class _ScoringRequest(_Strict):
+    model: str | None = None
+    user: str | None = None
+    truncate_prompt_tokens: Annotated[int, msgspec.Meta(ge=-1)] | None = None  # each text's
+    truncation_side: Literal["left", "right"] | None = None
+    request_id: str | None = None
+    priority: int = 0
+    cache_salt: str | None = None
+    max_tokens_per_query: Annotated[int, msgspec.Meta(ge=0)] = 0  # a query's text cut to this many tokens
+    max_tokens_per_doc: Annotated[int, msgspec.Meta(ge=0)] = 0
+
+
+class ScoreRequest(_ScoringRequest):
+    """vLLM's /score: one pair of fields, each a text or a list (1:1, 1:N or N:N)."""
+
+    queries: str | list[str] | None = None
+    documents: str | list[str] | None = None
+    items: str | list[str] | None = None  # documents' other name
+    data_1: str | list[str] | None = None
+    data_2: str | list[str] | None = None
+    text_1: str | list[str] | None = None
+    text_2: str | list[str] | None = None
+
+
+class RerankRequest(_ScoringRequest, kw_only=True):
+    """vLLM's /rerank (Jina's and Cohere's shape): the documents by relevance to the query."""
+
+    query: str
+    documents: str | list[str]
+    top_n: Annotated[int, msgspec.Meta(ge=0)] = 0  # 0: all

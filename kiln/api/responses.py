@@ -191,3 +191,41 @@ class EmbeddingResponse(msgspec.Struct):
     usage: Usage
     object: Literal["list"] = "list"
     created: int = msgspec.field(default_factory=_now)
+
+
+class ScoreData(msgspec.Struct):
+    index: int
+    score: float
+    object: Literal["score"] = "score"
+
+
+class ScoreResponse(msgspec.Struct):
+    id: str
+    model: str
+    data: list[ScoreData]
+    usage: Usage
+    object: Literal["list"] = "list"
+    created: int = msgspec.field(default_factory=_now)
+
+
+class RerankDocument(msgspec.Struct):
+    text: str
+    multi_modal: None = None
+
+
+class RerankResult(msgspec.Struct):
+    index: int
+    document: RerankDocument
+    relevance_score: float
+
+
+class RerankUsage(msgspec.Struct):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class RerankResponse(msgspec.Struct):
+    id: str
+    model: str
+    usage: RerankUsage
+    results: list[RerankResult]

@@ -15,7 +15,7 @@ from starlette.requests import Request
 
 from kiln.api.errors import APIError
 from kiln.api.inputs import Inputs
-from kiln.api.protocol import EmbeddingRequest, _SamplingRequest
+from kiln.api.protocol import EmbeddingRequest, _SamplingRequest, _ScoringRequest
 from kiln.engine.async_engine import AsyncEngine, RequestStream
 from kiln.engine.output import RequestOutput, merge
 from kiln.engine.request import PositionLogprobs
@@ -140,6 +140,12 @@ def generating(engine: AsyncEngine, api: str) -> None:
         raise APIError(501, f"The model does not support {api} API")
 
 
+def pooling(engine: AsyncEngine, api: str) -> None:
+    """A generating model has no embeddings: its pooling APIs (embeddings, scores) answer 501."""
+    if engine.pooler is None:
+        raise APIError(501, f"The model does not support {api} API")
+
+
 def response_id(prefix: str, request: Request, request_id: str | None) -> str:
     """vLLM's: the X-Request-Id header, else the body's request_id, else a random id, after the prefix."""
     return f"{prefix}{request.headers.get('x-request-id') or request_id or uuid.uuid4().hex}"
@@ -148,7 +154,7 @@ def response_id(prefix: str, request: Request, request_id: str | None) -> str:
 def start_all(
     engine: AsyncEngine,
     request: Request,
-    body: _SamplingRequest | EmbeddingRequest,
+    body: _SamplingRequest | EmbeddingRequest | _ScoringRequest,
     response_id: str,
     prompts: list[list[int]],
     params: Sequence[SamplingParams | PoolingParams],

@@ -1,7 +1,8 @@
 """/v1/embeddings from a pooling model (--runner pooling) through the OpenAI SDK and raw HTTP: text, token
 ids and chat messages in; floats and base64 of each dtype and byte order out, equal to transformers'
 normalized last hidden state; Matryoshka dimensions, truncation, and vLLM's errors, including the 501s
-of the APIs the other kind of model does not serve."""
+of the APIs the other kind of model does not serve. /score and /rerank: cosine similarities of those
+embeddings, as vLLM's bi-encoder scoring."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import json
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import numpy as np
 import openai
 import pytest
@@ -151,8 +153,71 @@ def test_a_pooling_model_does_not_generate_and_sagemaker_gets_embeddings(embed_s
     assert post(embed_server, "/tokenize", json={"prompt": "hi"}).status_code == 200
 
 
-def test_a_generating_model_does_not_embed(tiny_server: Server) -> None:
-    message = expect_error(
-        post(tiny_server, "/v1/embeddings", json={"input": "hi"}), 501, "NotImplementedError"
-    )
-    assert message == "The model does not support Embeddings API"
+def test_a_generating_model_does_not_embed_nor_score(tiny_server: Server) -> None:
+    for path, api, body in (
+        ("/v1/embeddings", "Embeddings", {"input": "hi"}),
+        ("/score", "Score", {"text_1": "a", "text_2": "b"}),
+        ("/v1/rerank", "Rerank (Score)", {"query": "a", "documents": ["b"]}),
+    ):
+        message = expect_error(post(tiny_server, path, json=body), 501, "NotImplementedError")
+        assert message == f"The model does not support {api} API"
+
+
+def cosines(reference: tuple, first: list[str], second: list[str], doc_cap: int = 0) -> list[float]:
+    tokenizer = reference[1]
+    a = [expected(reference, tokenizer.encode(t)) for t in first]
+    docs = [tokenizer.encode(t)[:doc_cap] if doc_cap else tokenizer.encode(t) for t in second]
+    b = [expected(reference, ids) for ids in docs]
+    a = a * len(b) if len(a) == 1 else a
+    return [float(np.dot(x, y)) for x, y in zip(a, b, strict=True)]
+
+
+def scores(r: httpx.Response) -> list[float]:
+    assert r.status_code == 200, r.text
+    return [d["score"] for d in r.json()["data"]]
+
+
+def test_scores_are_the_cosines_of_the_embeddings(embed_server: Server, reference: tuple) -> None:
+    query, docs = TEXTS[0], TEXTS
+    tokens = sum(len(reference[1].encode(t)) for t in [query, *docs])
+    for first, second in (("text_1", "text_2"), ("queries", "documents"), ("data_1", "data_2")):
+        r = post(embed_server, "/v1/score", json={"model": NAME, first: query, second: docs})
+        np.testing.assert_allclose(scores(r), cosines(reference, [query], docs), atol=1e-5)
+        got = r.json()
+        assert got["id"].startswith("score-") and got["object"] == "list" and got["model"] == NAME
+        assert [d["index"] for d in got["data"]] == [0, 1, 2] and got["data"][0]["object"] == "score"
+        assert got["usage"]["prompt_tokens"] == tokens
+    r = post(embed_server, "/score", json={"queries": docs, "items": docs[::-1]})  # N:N
+    np.testing.assert_allclose(scores(r), cosines(reference, docs, docs[::-1]), atol=1e-5)
+    # The documents cut to their first two tokens (the default tokenizer adds no special tokens).
+    r = post(embed_server, "/score", json={"text_1": query, "text_2": docs, "max_tokens_per_doc": 2})
+    np.testing.assert_allclose(scores(r), cosines(reference, [query], docs, 2), atol=1e-5)
+
+
+def test_rerank_orders_the_documents_by_score(embed_server: Server, reference: tuple) -> None:
+    query, docs = "Bread and rivers", TEXTS
+    want = cosines(reference, [query], docs)
+    order = sorted(range(3), key=lambda i: -want[i])
+    for path, top_n in (("/rerank", 0), ("/v2/rerank", 2)):
+        r = post(embed_server, path, json={"model": NAME, "query": query, "documents": docs, "top_n": top_n})
+        got = r.json()
+        assert got["id"].startswith("score-") and got["model"] == NAME
+        kept = order[: top_n or 3]
+        assert [x["index"] for x in got["results"]] == kept
+        assert [x["document"] for x in got["results"]] == [
+            {"text": docs[i], "multi_modal": None} for i in kept
+        ]
+        relevance = [x["relevance_score"] for x in got["results"]]
+        np.testing.assert_allclose(relevance, [want[i] for i in kept], atol=1e-5)
+        assert got["usage"]["prompt_tokens"] == got["usage"]["total_tokens"] > 0
+
+
+def test_bad_score_requests(embed_server: Server) -> None:
+    r = post(embed_server, "/score", json={"text_1": ["a", "b"], "text_2": ["a", "b", "c"]})
+    assert expect_error(r, 400, "BadRequestError") == "Input lengths must be either 1:1, 1:N or N:N"
+    r = post(embed_server, "/score", json={"text_1": "a", "documents": ["b"]})
+    assert "give one pair" in expect_error(r, 400, "BadRequestError")
+    r = post(embed_server, "/score", json={"text_1": "a", "text_2": []})
+    assert expect_error(r, 400, "BadRequestError") == "At least one text_pair element must be given"
+    r = post(embed_server, "/rerank", json={"query": "a", "documents": ["b"], "max_tokens_per_query": 64})
+    expect_error(r, 400, "BadRequestError", "max_tokens_per_query")
