@@ -19,8 +19,20 @@ from kiln.pooling_params import PoolingParams
 log = logging.getLogger(__name__)
 
 Kind = Literal["LAST", "MEAN", "CLS"]
-_ST_POOLING = "sentence_transformers.models.Pooling"
-_ST_NORMALIZE = "sentence_transformers.models.Normalize"
+# sentence-transformers' module types, by their older and newer paths (as vLLM knows them).
+_ST_POOLING = {
+    "sentence_transformers.models.Pooling",
+    "sentence_transformers.sentence_transformer.modules.pooling.Pooling",
+}
+_ST_NORMALIZE = {
+    "sentence_transformers.models.Normalize",
+    "sentence_transformers.base.modules.normalize.Normalize",
+    "sentence_transformers.sentence_transformer.modules.normalize.Normalize",
+}
+_ST_TRANSFORMER = {
+    "sentence_transformers.models.Transformer",
+    "sentence_transformers.sentence_transformer.modules.transformer.Transformer",
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,13 +132,13 @@ def _sentence_transformers(path: Path) -> dict[str, Any] | None:
         return None
     modules = json.loads(modules_file.read_text())
     types = [m.get("type", "") for m in modules]
-    pooling = next((m for m in modules if m.get("type") == _ST_POOLING), None)
+    pooling = next((m for m in modules if m.get("type") in _ST_POOLING), None)
     if pooling is None:
         return None
     for t in types:
-        if t not in (_ST_POOLING, _ST_NORMALIZE, "sentence_transformers.models.Transformer"):
+        if t not in _ST_POOLING | _ST_NORMALIZE | _ST_TRANSFORMER:
             raise ValueError(f"{modules_file}: module {t} is not supported (kiln pools and normalizes only)")
-    out: dict[str, Any] = {"normalize": _ST_NORMALIZE in types}
+    out: dict[str, Any] = {"normalize": any(t in _ST_NORMALIZE for t in types)}
     pooling_file = path / pooling.get("path", "") / "config.json"
     settings = json.loads(pooling_file.read_text()) if pooling_file.is_file() else {}
     names = [settings["pooling_mode"]] if isinstance(settings.get("pooling_mode"), str) else []

@@ -120,7 +120,12 @@ def test_a_sentence_transformers_folder_is_served_for_embeddings_as_it_says(tmp_
     model = build("qwen3", tmp_path)
     modules = [
         {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
-        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+        {
+            "idx": 1,
+            "name": "1",
+            "path": "1_Pooling",
+            "type": "sentence_transformers.sentence_transformer.modules.pooling.Pooling",
+        },
     ]
     (tmp_path / "modules.json").write_text(json.dumps(modules))
     (tmp_path / "1_Pooling").mkdir()
