@@ -14,6 +14,7 @@ from kiln.engine.beam_search import BeamSearch, BeamSearchOutput, BeamSearchPara
 from kiln.engine.chat_template import render_chat
 from kiln.engine.engine import LLMEngine
 from kiln.engine.output import RequestOutput
+from kiln.engine.pooler import pair_scores
 from kiln.pooling_params import PoolingParams
 from kiln.sampling_params import SamplingParams
 
@@ -34,6 +35,21 @@ class EmbeddingRequestOutput:
     prompt_token_ids: list[int]
     finished: bool
     outputs: EmbeddingOutput
+
+
+@dataclass(slots=True)
+class ScoringOutput:
+    score: float
+
+
+@dataclass(slots=True)
+class ScoringRequestOutput:
+    """vLLM's: what LLM.score gives for one pair."""
+
+    request_id: str
+    prompt_token_ids: list[int]  # the pair's, one after the other
+    finished: bool
+    outputs: ScoringOutput
 
 
 class LLM:
@@ -81,6 +97,30 @@ class LLM:
             )
             for o in outputs
             if o.embedding is not None
+        ]
+
+    def score(
+        self, data_1: str | Sequence[str], data_2: str | Sequence[str], use_tqdm: bool = True
+    ) -> list[ScoringRequestOutput]:
+        """vLLM's, for an embedding model: the cosine similarity of each pair's embeddings (1:1, 1:N or
+        N:N), as vLLM scores with a bi-encoder."""
+        firsts = [data_1] if isinstance(data_1, str) else list(data_1)
+        seconds = [data_2] if isinstance(data_2, str) else list(data_2)
+        if len(firsts) > 1 and len(firsts) != len(seconds):
+            raise ValueError("Input lengths must be either 1:1, 1:N or N:N")
+        params = [PoolingParams()] * (len(firsts) + len(seconds))
+        outs = self._run(self._add(_as_batch(firsts + seconds), params, None), use_tqdm)
+        vectors = [o.embedding for o in outs if o.embedding is not None]
+        scores = pair_scores(vectors[: len(firsts)], vectors[len(firsts) :])
+        a = outs[: len(firsts)] * (len(seconds) if len(firsts) == 1 else 1)
+        return [
+            ScoringRequestOutput(
+                f"{x.request_id}_{y.request_id}",
+                x.prompt_token_ids + y.prompt_token_ids,
+                True,
+                ScoringOutput(s),
+            )
+            for x, y, s in zip(a, outs[len(firsts) :], scores, strict=True)
         ]
 
     def _add(

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
-import torch.nn.functional as F
 from starlette.requests import Request
 
 from kiln.api.embeddings import embed, truncated
@@ -24,6 +22,7 @@ from kiln.api.responses import (
 )
 from kiln.api.serving import pooling, response_id
 from kiln.engine.async_engine import AsyncEngine
+from kiln.engine.pooler import pair_scores
 from kiln.pooling_params import PoolingParams
 
 _PAIRS = (("queries", "documents"), ("queries", "items"), ("data_1", "data_2"), ("text_1", "text_2"))
@@ -79,7 +78,7 @@ async def _scores(
     if not seconds:
         raise APIError(400, "At least one text_pair element must be given")
     if len(firsts) > 1 and len(firsts) != len(seconds):
-        raise APIError(400, "Input lengths must be either 1:1, 1:N or N:N")
+        raise APIError(400, "Input lengths must be either 1:1, 1:N or N:N")  # (before any work)
     limit = inputs.limits.max_completion_prompts
     if len(firsts) + len(seconds) > limit:
         raise APIError(400, f"a request may hold at most {limit} texts (server.max_completion_prompts)")
@@ -88,9 +87,8 @@ async def _scores(
     vectors = await embed(engine, inputs, request, body, rid, prompts, PoolingParams())
     if vectors is None:
         return None
-    a = torch.stack(vectors[: len(firsts)]).expand(len(seconds), -1)
-    scores = F.cosine_similarity(a, torch.stack(vectors[len(firsts) :]), dim=-1)
-    return rid, scores.tolist(), sum(map(len, prompts))
+    scores = pair_scores(vectors[: len(firsts)], vectors[len(firsts) :])
+    return rid, scores, sum(map(len, prompts))
 
 
 def _ids(inputs: Inputs, body: _ScoringRequest, firsts: list[str], seconds: list[str]) -> list[list[int]]:

@@ -96,6 +96,15 @@ class Pooling:
         return F.normalize(v, dim=-1) if self.normalize else v
 
 
+def pair_scores(firsts: list[torch.Tensor], seconds: list[torch.Tensor]) -> list[float]:
+    """The cosine similarity of each pair of embeddings, one first against every second or pair by pair
+    (1:N or N:N), as vLLM scores with an embedding model."""
+    if len(firsts) > 1 and len(firsts) != len(seconds):
+        raise ValueError("Input lengths must be either 1:1, 1:N or N:N")
+    a = torch.stack(firsts).expand(len(seconds), -1)
+    return F.cosine_similarity(a, torch.stack(seconds), dim=-1).tolist()
+
+
 def resolve_pooler(model: ModelConfig, path: Path, hidden_size: int) -> Pooler | None:
     """The model's pooler when it is served for embeddings (runner pooling, or auto with a
     sentence-transformers pooling module), else None: it generates."""

@@ -143,3 +143,17 @@ def test_a_sentence_transformers_folder_is_served_for_embeddings_as_it_says(tmp_
     (tmp_path / "modules.json").write_text(json.dumps(modules))
     with pytest.raises(ValueError, match=r"sentence_transformers\.models\.Dense is not supported"):
         LLM(str(tmp_path), **OPTIONS)
+
+
+def test_score_is_the_cosine_of_the_embeddings_one_to_many_and_pairwise(last: LLM) -> None:
+    texts = ["t1 t2 t3", "t9 t8", "t4 t4 t4 t4", "t200"]
+    vectors = [torch.tensor(o.outputs.embedding) for o in last.embed(texts, use_tqdm=False)]
+    for first, second in ((texts[:1], texts[1:]), (texts[:2], texts[2:])):
+        outs = last.score(first, second, use_tqdm=False)
+        a = [vectors[texts.index(t)] for t in first] * (len(second) if len(first) == 1 else 1)
+        b = [vectors[texts.index(t)] for t in second]
+        want = [F.cosine_similarity(x, y, dim=0).item() for x, y in zip(a, b, strict=True)]
+        assert [o.outputs.score for o in outs] == pytest.approx(want, abs=1e-5)
+        assert all(o.finished for o in outs) and len(outs[0].prompt_token_ids) == 3 + len(second[0].split())
+    with pytest.raises(ValueError, match="Input lengths must be either 1:1, 1:N or N:N"):
+        last.score(texts[:2], texts[1:], use_tqdm=False)
