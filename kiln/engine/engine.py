@@ -29,6 +29,7 @@ from kiln.engine.step_result import StepResult
 from kiln.engine.thinking import ThinkTags
 from kiln.engine.tokenizer import eos_token_ids, load_tokenizer, sampling_defaults
 from kiln.models.loader import inspect_model, load_model, resolve_model
+from kiln.models.registry import headless
 from kiln.ops.backend import choose_backend
 from kiln.ops.cpu import threads
 from kiln.paths import cache_root
@@ -65,7 +66,7 @@ class LLMEngine:
         self.pinned = threads.resolve(b.cpu_threads_bind, own_thread) if device.type == "cpu" else None
         if self.pinned is not None:
             torch.set_num_threads(len(self.pinned))
-        _, dims, dtype = inspect_model(path, config.model.dtype, device)
+        spec, dims, dtype = inspect_model(path, config.model.dtype, device)
         self.max_model_len = config.model.max_model_len or dims.max_positions
         if self.max_model_len > dims.max_positions:
             raise ValueError(
@@ -102,7 +103,7 @@ class LLMEngine:
                 self.sampling_defaults,
             )
         self.grammars = Grammars(lambda: load_tokenizer(config, path), dims.vocab_size, self.eos_token_ids)
-        self.pooler = resolve_pooler(config.model, path, dims.hidden_size)
+        self.pooler = resolve_pooler(config.model, path, dims.hidden_size, headless(spec))
         self.runner = ModelRunner(
             self.model, config, self.max_model_len, self.backend, self.grammars, self.pooler is not None
         )

@@ -105,11 +105,14 @@ def pair_scores(firsts: list[torch.Tensor], seconds: list[torch.Tensor]) -> list
     return F.cosine_similarity(a, torch.stack(seconds), dim=-1).tolist()
 
 
-def resolve_pooler(model: ModelConfig, path: Path, hidden_size: int) -> Pooler | None:
-    """The model's pooler when it is served for embeddings (runner pooling, or auto with a
-    sentence-transformers pooling module), else None: it generates."""
+def resolve_pooler(model: ModelConfig, path: Path, hidden_size: int, headless: bool) -> Pooler | None:
+    """The model's pooler when it is served for embeddings (runner pooling; or auto with a
+    sentence-transformers pooling module, or a backbone saved without its head), else None: it
+    generates."""
     st = _sentence_transformers(path)
-    if model.runner == "generate" or (model.runner == "auto" and st is None):
+    if model.runner == "generate" and headless:
+        raise ValueError(f"{path} holds a model without its LM head: it serves embeddings (--runner pooling)")
+    if model.runner == "generate" or (model.runner == "auto" and st is None and not headless):
         return None
     given = model.pooler_config
     st = st or {}

@@ -156,6 +156,10 @@ def load_weights(
             with handle as f:
                 for raw in f.keys():  # noqa: SIM118 (safe_open has no __iter__)
                     name = raw.removeprefix(spec.strip_prefix)
+                    # A backbone's own save (Qwen3-Embedding's, a `*Model`'s) names its tensors without
+                    # the "model." its causal LM puts before them.
+                    if name not in targets and f"model.{name}" in targets:
+                        name = f"model.{name}"
                     target = targets.get(name)
                     if target is None:
                         if not (

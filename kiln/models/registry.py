@@ -159,6 +159,16 @@ def _llama_like(name: str, dims: Any, rules: tuple[WeightRule, ...] = _DENSE) ->
     return ArchSpec(name, "rms", "rope", "gated", rules, dims, ignore=_ROTARY_BUFFERS)
 
 
+def _headless(name: str, spec: ArchSpec) -> ArchSpec:
+    """The backbone alone (`LlamaModel`, ...: how embedding models such as e5-mistral are saved): no LM
+    head to load. The engine's warmup and sampler paths still find one, so it is tied to the embedding."""
+
+    def dims(c: Any) -> ModelDims:
+        return replace(spec.dims(c), tie_word_embeddings=True)
+
+    return replace(spec, name=name, rules=tuple(r for r in spec.rules if r.when != "untied"), dims=dims)
+
+
 _GPT2_RULES = tuple(
     [
         R("wte.weight", "embed.weight"),
@@ -199,6 +209,10 @@ ARCHITECTURES: dict[str, ArchSpec] = {
         qwen3_moe_dims,
         _DENSE + _experts("mlp", "gate", "gate_proj", "up_proj", "down_proj"),
     ),
+    "LlamaModel": _headless("LlamaModel", _llama_like("LlamaModel", llama_dims)),
+    "MistralModel": _headless("MistralModel", _llama_like("MistralModel", llama_dims)),
+    "Qwen2Model": _headless("Qwen2Model", _llama_like("Qwen2Model", qwen2_dims)),
+    "Qwen3Model": _headless("Qwen3Model", _llama_like("Qwen3Model", qwen3_dims)),
     "GPT2LMHeadModel": ArchSpec(
         "GPT2LMHeadModel",
         "layer",
@@ -214,6 +228,11 @@ ARCHITECTURES: dict[str, ArchSpec] = {
 
 class UnsupportedArchitecture(ValueError):
     pass
+
+
+def headless(spec: ArchSpec) -> bool:
+    """A backbone saved without its head: served for embeddings (vLLM's default runner for `*Model`)."""
+    return spec.name.endswith("Model") and not spec.name.endswith("LMHeadModel")
 
 
 def spec_for(architectures: list[str] | None) -> ArchSpec:

@@ -5,6 +5,7 @@ and batched together; dimensions, use_activation, sentence-transformers folders,
 from __future__ import annotations
 
 import json
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -15,7 +16,7 @@ import torch.nn.functional as F
 from kiln.llm import LLM
 from kiln.pooling_params import PoolingParams
 from kiln.sampling_params import SamplingParams
-from tests.models.tiny import build
+from tests.models.tiny import build, save_tokenizer
 
 # A 16-token prefill chunk puts the long prompts across several steps; async scheduling finishes each
 # embedding request at its launch, before its vector lands.
@@ -157,3 +158,23 @@ def test_score_is_the_cosine_of_the_embeddings_one_to_many_and_pairwise(last: LL
         assert all(o.finished for o in outs) and len(outs[0].prompt_token_ids) == 3 + len(second[0].split())
     with pytest.raises(ValueError, match="Input lengths must be either 1:1, 1:N or N:N"):
         last.score(texts[:2], texts[1:], use_tqdm=False)
+
+
+def test_backbones_saved_without_their_head_are_embedding_models(tmp_path: Path) -> None:
+    hf = build("qwen3", tmp_path / "causal", tie_word_embeddings=True)
+    ids = PROMPTS[1]
+    want = F.normalize(hidden(hf, ids)[-1], dim=-1)
+    # transformers' own save of the backbone: Qwen3Model, its tensors without "model.".
+    hf.model.save_pretrained(tmp_path / "backbone")
+    save_tokenizer(tmp_path / "backbone")
+    [v] = embeddings(LLM(str(tmp_path / "backbone"), **OPTIONS), [ids])  # runner auto: pooling
+    torch.testing.assert_close(v, want, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="without its LM head"):
+        LLM(str(tmp_path / "backbone"), runner="generate", **OPTIONS)
+    # As Qwen3-Embedding ships: a Qwen3ForCausalLM config over the backbone's tensors, no lm_head.
+    flat = tmp_path / "flat"
+    shutil.copytree(tmp_path / "backbone", flat)
+    config = json.loads((tmp_path / "causal" / "config.json").read_text())
+    (flat / "config.json").write_text(json.dumps(config))
+    [v] = embeddings(LLM(str(flat), runner="pooling", **OPTIONS), [ids])
+    torch.testing.assert_close(v, want, atol=1e-5, rtol=1e-5)
