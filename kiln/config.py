@@ -47,6 +47,7 @@ class ModelConfig(_Section):
     # vLLM's --runner: generate (text), or pooling (embeddings, /v1/embeddings); auto: pooling for a
     # sentence-transformers folder with a Pooling module, else generate.
     runner: Literal["auto", "generate", "pooling"] = "auto"
+    convert: Literal["auto", "none", "embed"] = "auto"  # vLLM's --convert: embed serves a causal LM pooled
     pooler_config: PoolerConfig | None = None
 
 

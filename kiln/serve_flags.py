@@ -76,6 +76,11 @@ SERVE_FLAGS: dict[str, tuple[str, str, dict]] = {
         "runner",
         {"choices": ["auto", "generate", "pooling"], "help": "pooling: embeddings"},
     ),
+    "--convert": (
+        "model",
+        "convert",
+        {"choices": ["auto", "none", "embed"], "help": "embed: as --runner pooling"},
+    ),
     "--pooler-config": (
         "model",
         "pooler_config",

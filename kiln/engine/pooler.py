@@ -110,9 +110,12 @@ def resolve_pooler(model: ModelConfig, path: Path, hidden_size: int, headless: b
     sentence-transformers pooling module, or a backbone saved without its head), else None: it
     generates."""
     st = _sentence_transformers(path)
+    if model.convert == "embed" and model.runner == "generate":
+        raise ValueError("--convert embed makes an embedding model, which needs --runner pooling (or auto)")
+    pooled = model.runner == "pooling" or model.convert == "embed" or st is not None or headless
     if model.runner == "generate" and headless:
         raise ValueError(f"{path} holds a model without its LM head: it serves embeddings (--runner pooling)")
-    if model.runner == "generate" or (model.runner == "auto" and st is None and not headless):
+    if model.runner == "generate" or not pooled:
         return None
     given = model.pooler_config
     st = st or {}

@@ -100,6 +100,8 @@ def test_each_runner_refuses_the_other_kind_of_request(last: LLM, tiny: tuple[Pa
     generating = LLM(str(tiny[0]), runner="generate", **OPTIONS)
     with pytest.raises(ValueError, match="--runner pooling"):
         generating.embed([[1, 2]], use_tqdm=False)
+    converted = LLM(str(tiny[0]), convert="embed", **OPTIONS)  # vLLM's other spelling of runner pooling
+    assert embeddings(converted, [PROMPTS[0]])[0].tolist() == embeddings(last, [PROMPTS[0]])[0].tolist()
 
 
 def test_dimensions_need_a_matryoshka_model(last: LLM, tmp_path: Path) -> None:
