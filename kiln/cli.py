@@ -54,7 +54,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 def _load_config(args: argparse.Namespace) -> ServeConfig:
     """--config with the SERVE_FLAGS given on the command line laid over it; usage errors name the key."""
-    from kiln.config import ConfigError, load_serve_config
+    from kiln.config_file import ConfigError, load_serve_config
 
     parser: argparse.ArgumentParser = args.parser
     overrides: dict[str, dict] = {}

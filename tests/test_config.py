@@ -4,7 +4,8 @@ from pathlib import Path
 import pytest
 
 from kiln.cli import main
-from kiln.config import ConfigError, ServeConfig, load_serve_config
+from kiln.config import ServeConfig
+from kiln.config_file import ConfigError, load_serve_config
 
 CONFIGS = Path(__file__).parent.parent / "configs"
 

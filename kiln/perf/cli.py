@@ -12,7 +12,7 @@ DEFAULT_OUT = Path("perf/results")
 
 def cmd_run(args: argparse.Namespace) -> int:
     _quiet_http_log()
-    from kiln.config import ConfigError, load_serve_config
+    from kiln.config_file import ConfigError, load_serve_config
     from kiln.perf.run import write
     from kiln.perf.spec import load_spec
 
@@ -61,7 +61,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
 def cmd_serve_sweep(args: argparse.Namespace) -> int:
     _quiet_http_log()
-    from kiln.config import ConfigError
+    from kiln.config_file import ConfigError
     from kiln.perf.spec import load_spec
     from kiln.perf.sweep import load_servers, serve_sweep
 
@@ -79,7 +79,7 @@ def cmd_serve_sweep(args: argparse.Namespace) -> int:
 
 def cmd_startup(args: argparse.Namespace) -> int:
     _quiet_http_log()
-    from kiln.config import ConfigError
+    from kiln.config_file import ConfigError
     from kiln.perf.startup import startup, table
     from kiln.perf.sweep import load_servers
 

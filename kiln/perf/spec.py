@@ -9,7 +9,7 @@ import msgspec
 import yaml
 from msgspec import Meta
 
-from kiln.config import ConfigError, validation_message
+from kiln.config_file import ConfigError, validation_message
 
 Ratio = Annotated[float, Meta(ge=0, lt=1)]
 

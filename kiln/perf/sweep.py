@@ -13,7 +13,7 @@ import httpx
 import msgspec
 import yaml
 
-from kiln.config import ConfigError, validation_message
+from kiln.config_file import ConfigError, validation_message
 from kiln.perf.client import Endpoint
 from kiln.perf.report import compare
 from kiln.perf.run import Result, run_http, write

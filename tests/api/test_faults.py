@@ -10,7 +10,7 @@ import pytest
 from starlette.testclient import TestClient
 
 from kiln.api.app import App
-from kiln.config import load_serve_config
+from kiln.config_file import load_serve_config
 from tests.models import tiny
 
 
