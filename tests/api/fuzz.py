@@ -4,18 +4,33 @@ nesting, huge strings, invalid UTF-8, random token ids, missing and unknown fiel
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
+import httpx
 import msgspec
 from hypothesis import strategies as st
 
-from kiln.api.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from kiln.api.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    EmbeddingRequest,
+    RerankRequest,
+    ScoreRequest,
+    TokenizeRequest,
+)
 
 ENDPOINTS: dict[str, type] = {
     "/v1/completions": CompletionRequest,
     "/v1/chat/completions": ChatCompletionRequest,
     "/tokenize": TokenizeRequest,
     "/detokenize": DetokenizeRequest,
+}
+POOLING_ENDPOINTS: dict[str, type] = {  # a pooling model's
+    "/v1/embeddings": EmbeddingRequest,
+    "/score": ScoreRequest,
+    "/rerank": RerankRequest,
 }
 
 # Words the schemas' strings should often be, so that draws get past the first check.
@@ -138,7 +153,25 @@ def mutated(draw: st.DrawFn, body: dict[str, Any]) -> bytes:
 
 
 @st.composite
-def requests(draw: st.DrawFn) -> tuple[str, bytes]:
+def requests(draw: st.DrawFn, endpoints: dict[str, type] = ENDPOINTS) -> tuple[str, bytes]:
     """(path, body): an endpoint and a hostile body for it."""
-    path = draw(st.sampled_from(list(ENDPOINTS)))
-    return path, draw(mutated(draw(schema_bodies(ENDPOINTS[path]))))
+    path = draw(st.sampled_from(list(endpoints)))
+    return path, draw(mutated(draw(schema_bodies(endpoints[path]))))
+
+
+def check(response: httpx.Response, stream: bool) -> None:
+    """No 500; an error has OpenAI's shape; a body parses; a stream ends with [DONE] and holds no 500."""
+    status = response.status_code
+    assert status < 500, response.text[:2000]
+    if status >= 400:
+        error = response.json()["error"]
+        assert set(error) == {"message", "type", "param", "code"} and error["code"] == status, error
+        return
+    if not stream:
+        response.json()
+        return
+    lines = [line for line in response.text.split("\n\n") if line]
+    assert lines[-1] == "data: [DONE]", lines[-3:]
+    for line in lines[:-1]:
+        event = json.loads(line.removeprefix("data: "))
+        assert "error" not in event or event["error"]["code"] < 500, event

@@ -7,6 +7,7 @@ embeddings, as vLLM's bi-encoder scoring."""
 from __future__ import annotations
 
 import base64
+import collections
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,9 +18,11 @@ import openai
 import pytest
 import torch
 import torch.nn.functional as F
+from hypothesis import HealthCheck, given, settings
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from tests.api.server import Server, expect_error, post, start_server
+from tests.api.fuzz import POOLING_ENDPOINTS, check, requests
+from tests.api.server import AUTH, Server, expect_error, post, start_server
 from tests.conftest import API_KEY
 from tests.models.tiny import build_default_vocab
 
@@ -221,3 +224,26 @@ def test_bad_score_requests(embed_server: Server) -> None:
     assert expect_error(r, 400, "BadRequestError") == "At least one text_pair element must be given"
     r = post(embed_server, "/rerank", json={"query": "a", "documents": ["b"], "max_tokens_per_query": 64})
     expect_error(r, 400, "BadRequestError", "max_tokens_per_query")
+
+
+def test_hostile_pooling_bodies_get_no_500(embed_server: Server) -> None:
+    statuses: collections.Counter[int] = collections.Counter()
+
+    @settings(
+        max_examples=150,
+        derandomize=True,
+        deadline=None,
+        database=None,
+        suppress_health_check=list(HealthCheck),
+    )
+    @given(requests(POOLING_ENDPOINTS))
+    def one(path_body: tuple[str, bytes]) -> None:
+        path, body = path_body
+        response = client.post(path, content=body, headers={**AUTH, "Content-Type": "application/json"})
+        statuses[response.status_code] += 1
+        check(response, stream=False)
+
+    with httpx.Client(base_url=embed_server.url, timeout=60) as client:
+        one()
+    assert statuses[200] > 0 and statuses[400] > 0, statuses
+    assert post(embed_server, "/v1/embeddings", json={"input": "still here"}).status_code == 200

@@ -5,14 +5,13 @@ random one with `pytest tests/api/test_fuzz.py --fuzz-examples 5000`."""
 from __future__ import annotations
 
 import collections
-import json
 
 import httpx
 import pytest
 from hypothesis import HealthCheck, given, settings
 
 from kiln.perf.probe import HealthProbe
-from tests.api.fuzz import requests
+from tests.api.fuzz import check, requests
 from tests.api.server import AUTH, Server
 from tests.conftest import FUZZ_REPORT
 
@@ -20,23 +19,6 @@ pytestmark = pytest.mark.slow
 
 CI_EXAMPLES = 400
 STALL_S = 60  # the longest any one request may take: the tiny model's worst case is a few seconds
-
-
-def check(response: httpx.Response, stream: bool) -> None:
-    status = response.status_code
-    assert status < 500, response.text[:2000]
-    if status >= 400:
-        error = response.json()["error"]
-        assert set(error) == {"message", "type", "param", "code"} and error["code"] == status, error
-        return
-    if not stream:
-        response.json()
-        return
-    lines = [line for line in response.text.split("\n\n") if line]
-    assert lines[-1] == "data: [DONE]", lines[-3:]
-    for line in lines[:-1]:
-        event = json.loads(line.removeprefix("data: "))
-        assert "error" not in event or event["error"]["code"] < 500, event
 
 
 def test_fuzz(tiny_server: Server, request: pytest.FixtureRequest) -> None:
