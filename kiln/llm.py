@@ -52,6 +52,21 @@ class ScoringRequestOutput:
     outputs: ScoringOutput
 
 
+@dataclass(slots=True)
+class ClassificationOutput:
+    probs: list[float]
+
+
+@dataclass(slots=True)
+class ClassificationRequestOutput:
+    """vLLM's: what LLM.classify gives for one prompt."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    finished: bool
+    outputs: ClassificationOutput
+
+
 class LLM:
     def __init__(self, model: str = "default", **options: Any) -> None:
         self.engine = LLMEngine(EngineConfig.from_options(model, **options))
@@ -121,6 +136,20 @@ class LLM:
                 ScoringOutput(s),
             )
             for x, y, s in zip(a, outs[len(firsts) :], scores, strict=True)
+        ]
+
+    def classify(
+        self, prompts: Prompt | Sequence[Prompt], use_tqdm: bool = True
+    ) -> list[ClassificationRequestOutput]:
+        """vLLM's, for a sequence classifier: each prompt's class probabilities (prompts as generate)."""
+        batch = _as_batch(prompts)
+        outs = self._run(self._add(batch, [PoolingParams()] * len(batch), None), use_tqdm)
+        return [
+            ClassificationRequestOutput(
+                o.request_id, o.prompt_token_ids, o.finished, ClassificationOutput(o.embedding.tolist())
+            )
+            for o in outs
+            if o.embedding is not None
         ]
 
     def _add(

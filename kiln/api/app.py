@@ -22,6 +22,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from kiln.api.chat import create_chat_completion
+from kiln.api.classify import create_classification
 from kiln.api.completions import create_completion
 from kiln.api.embeddings import create_embedding
 from kiln.api.errors import APIError, as_api_error
@@ -30,6 +31,7 @@ from kiln.api.invocations import create_invocation
 from kiln.api.middleware import middleware
 from kiln.api.protocol import (
     ChatCompletionRequest,
+    ClassificationRequest,
     CompletionRequest,
     DetokenizeRequest,
     EmbeddingRequest,
@@ -101,6 +103,7 @@ class App:
                 ),
                 Route("/v1/responses", self._api(create_response, ResponsesRequest), methods=post),
                 Route("/v1/embeddings", self._api(create_embedding, EmbeddingRequest), methods=post),
+                Route("/classify", self._api(create_classification, ClassificationRequest), methods=post),
                 *(
                     Route(p, self._api(create_score, ScoreRequest), methods=post)
                     for p in ("/score", "/v1/score")

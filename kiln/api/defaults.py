@@ -10,9 +10,9 @@ import msgspec
 
 from kiln.api.protocol import (
     ChatCompletionRequest,
-    EmbeddingRequest,
     StreamOptions,
     TokenizeRequest,
+    _PooledInputRequest,
     _SamplingRequest,
 )
 from kiln.config import ServerConfig
@@ -28,6 +28,6 @@ def with_defaults(body: Any, server: ServerConfig) -> Any:
                 body.stream_options or StreamOptions(), include_usage=True
             )
     kwargs = server.default_chat_template_kwargs
-    if kwargs and isinstance(body, ChatCompletionRequest | TokenizeRequest | EmbeddingRequest):
+    if kwargs and isinstance(body, ChatCompletionRequest | TokenizeRequest | _PooledInputRequest):
         changes["chat_template_kwargs"] = {**kwargs, **(body.chat_template_kwargs or {})}
     return msgspec.structs.replace(body, **changes) if changes else body

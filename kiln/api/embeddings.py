@@ -12,7 +12,7 @@ from starlette.requests import Request
 
 from kiln.api.errors import APIError
 from kiln.api.inputs import Inputs, prompt_list
-from kiln.api.protocol import EmbeddingRequest, _ScoringRequest
+from kiln.api.protocol import EmbeddingRequest, _PooledInputRequest, _ScoringRequest
 from kiln.api.request_log import log_requests
 from kiln.api.responses import EmbeddingData, EmbeddingResponse, Usage
 from kiln.api.serving import final_outputs, pooling, response_id, start_all
@@ -32,15 +32,15 @@ _DTYPES = {
 async def create_embedding(
     engine: AsyncEngine, inputs: Inputs, request: Request, body: EmbeddingRequest
 ) -> EmbeddingResponse | None:
-    pooling(engine, "Embeddings")
+    pooling(engine, "Embeddings", "embed")
     params = PoolingParams(dimensions=body.dimensions, use_activation=body.use_activation)
     try:
         engine.pooler.sequence(params)  # type: ignore[union-attr]
     except ValueError as e:
         raise APIError(400, str(e), "dimensions") from None
-    prompts = await _prompts(inputs, body)
+    prompts = await prompts_of(inputs, body)
     rid = response_id("embd-", request, body.request_id)
-    vectors = await embed(engine, inputs, request, body, rid, prompts, params)
+    vectors = await pool(engine, inputs, request, body, rid, prompts, params)
     if vectors is None:
         return None
     data = [EmbeddingData(i, _encoded(v, body)) for i, v in enumerate(vectors)]
@@ -48,16 +48,17 @@ async def create_embedding(
     return EmbeddingResponse(rid, engine.model_name, data, Usage(tokens, 0, tokens))
 
 
-async def embed(
+async def pool(
     engine: AsyncEngine,
     inputs: Inputs,
     request: Request,
-    body: EmbeddingRequest | _ScoringRequest,
+    body: _PooledInputRequest | _ScoringRequest,
     rid: str,
     prompts: list[list[int]],
     params: PoolingParams,
 ) -> list[torch.Tensor] | None:
-    """Each prompt's embedding (float32, on the host); None if the client left first."""
+    """Each prompt's pooled vector (float32, on the host): its embedding, or its classes' probabilities;
+    None if the client left first."""
     await log_requests(inputs, rid, prompts, [params] * len(prompts))
     finals = await final_outputs(
         request, start_all(engine, request, body, rid, prompts, [params] * len(prompts))
@@ -78,7 +79,7 @@ def _encoded(v: torch.Tensor, body: EmbeddingRequest) -> list[float] | str:
     return base64.b64encode(array.tobytes()).decode()
 
 
-async def _prompts(inputs: Inputs, body: EmbeddingRequest) -> list[list[int]]:
+async def prompts_of(inputs: Inputs, body: _PooledInputRequest) -> list[list[int]]:
     if (body.input is None) == (body.messages is None):
         raise APIError(400, "give exactly one of input and messages", "input")
     if body.messages is not None:
@@ -88,7 +89,7 @@ async def _prompts(inputs: Inputs, body: EmbeddingRequest) -> list[list[int]]:
     return await inputs.run(_input_ids, inputs, body)
 
 
-def _input_ids(inputs: Inputs, body: EmbeddingRequest) -> list[list[int]]:
+def _input_ids(inputs: Inputs, body: _PooledInputRequest) -> list[list[int]]:
     prompts = prompt_list(body.input)
     limit = inputs.limits.max_completion_prompts
     if len(prompts) > limit:
@@ -104,7 +105,7 @@ def _input_ids(inputs: Inputs, body: EmbeddingRequest) -> list[list[int]]:
     ]
 
 
-def truncated(inputs: Inputs, body: EmbeddingRequest | _ScoringRequest, ids: list[int]) -> list[int]:
+def truncated(inputs: Inputs, body: _PooledInputRequest | _ScoringRequest, ids: list[int]) -> list[int]:
     """As vLLM's pooling requests: truncate_prompt_tokens (-1: max_model_len) from the tokenizer's side
     unless truncation_side says; an embedding may fill max_model_len, and no more."""
     keep, longest = body.truncate_prompt_tokens, inputs.max_model_len

@@ -1,5 +1,6 @@
 """POST /invocations, SageMaker's (as vLLM serves it): a body with messages runs as a chat completion, one
-with prompt as a completion, one with input as a response; for a pooling model, any body as embeddings."""
+with prompt as a completion, one with input as a response; for a pooling model, any body as embeddings
+(a classifier's: classes)."""
 
 from __future__ import annotations
 
@@ -10,11 +11,17 @@ import msgspec
 from starlette.requests import Request
 
 from kiln.api.chat import create_chat_completion
+from kiln.api.classify import create_classification
 from kiln.api.completions import create_completion
 from kiln.api.embeddings import create_embedding
 from kiln.api.errors import APIError
 from kiln.api.inputs import Inputs
-from kiln.api.protocol import ChatCompletionRequest, CompletionRequest, EmbeddingRequest
+from kiln.api.protocol import (
+    ChatCompletionRequest,
+    ClassificationRequest,
+    CompletionRequest,
+    EmbeddingRequest,
+)
 from kiln.api.responses_api import create_response
 from kiln.api.responses_protocol import ResponsesRequest
 from kiln.engine.async_engine import AsyncEngine
@@ -40,9 +47,11 @@ async def create_invocation(
     except msgspec.ValidationError:
         raise APIError(400, "an invocation's body must be a JSON object") from None
     if engine.pooler is not None:
-        body = await inputs.parse(data, EmbeddingRequest)
+        classify = engine.pooler.task == "classify"
+        body = await inputs.parse(data, ClassificationRequest if classify else EmbeddingRequest)
         check_model(body)
-        return await create_embedding(engine, inputs, request, body)
+        handler = create_classification if classify else create_embedding
+        return await handler(engine, inputs, request, body)  # type: ignore[arg-type]
     for key, handler, kind in _ROUTES:
         if key in keys:
             body = await inputs.parse(data, kind)

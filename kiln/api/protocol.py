@@ -195,19 +195,15 @@ class DetokenizeRequest(msgspec.Struct, kw_only=True):
     model: str | None = None
 
 
-class EmbeddingRequest(_Strict):
-    """OpenAI's /v1/embeddings, with vLLM's extras: text or token ids in `input`, or one conversation in
+class _PooledInputRequest(_Strict):
+    """A pooling request's inputs (vLLM's): text or token ids in `input`, or one conversation in
     `messages` (through the chat template)."""
 
     model: str | None = None
     input: str | list[str | int | list[int]] | None = None
     messages: list[ChatMessage] | None = None
-    encoding_format: Literal["float", "base64"] = "float"
-    dimensions: int | None = None
     user: str | None = None
-    use_activation: bool | None = None  # unset: the pooler's (normalized, for most models)
-    embed_dtype: Literal["float32", "float16", "bfloat16", "fp8_e4m3", "fp8_e5m2"] = "float32"  # base64's
-    endianness: Literal["native", "big", "little"] = "native"  # base64's
+    use_activation: bool | None = None  # unset: the pooler's (normalized, or class probabilities)
     truncate_prompt_tokens: Annotated[int, msgspec.Meta(ge=-1)] | None = None  # -1: max_model_len
     truncation_side: Literal["left", "right"] | None = None  # unset: the tokenizer's
     request_id: str | None = None
@@ -220,6 +216,19 @@ class EmbeddingRequest(_Strict):
     chat_template: str | None = None
     reasoning_effort: ReasoningEffort | None = None
     documents: list[dict[str, str]] | None = None
+
+
+class EmbeddingRequest(_PooledInputRequest, kw_only=True):
+    """OpenAI's /v1/embeddings, with vLLM's extras."""
+
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = None
+    embed_dtype: Literal["float32", "float16", "bfloat16", "fp8_e4m3", "fp8_e5m2"] = "float32"  # base64's
+    endianness: Literal["native", "big", "little"] = "native"  # base64's
+
+
+class ClassificationRequest(_PooledInputRequest, kw_only=True):
+    """vLLM's /classify: each input's class probabilities."""
 
 
 class _ScoringRequest(_Strict):

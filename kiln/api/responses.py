@@ -229,3 +229,19 @@ class RerankResponse(msgspec.Struct):
     model: str
     usage: RerankUsage
     results: list[RerankResult]
+
+
+class ClassificationData(msgspec.Struct):
+    index: int
+    label: str
+    probs: list[float]
+    num_classes: int
+
+
+class ClassificationResponse(msgspec.Struct):
+    id: str
+    model: str
+    data: list[ClassificationData]
+    usage: Usage
+    object: Literal["list"] = "list"
+    created: int = msgspec.field(default_factory=_now)

@@ -7,7 +7,7 @@ from typing import Any
 
 from starlette.requests import Request
 
-from kiln.api.embeddings import embed, truncated
+from kiln.api.embeddings import pool, truncated
 from kiln.api.errors import APIError
 from kiln.api.inputs import Inputs
 from kiln.api.protocol import RerankRequest, ScoreRequest, _ScoringRequest
@@ -31,7 +31,7 @@ _PAIRS = (("queries", "documents"), ("queries", "items"), ("data_1", "data_2"), 
 async def create_score(
     engine: AsyncEngine, inputs: Inputs, request: Request, body: ScoreRequest
 ) -> ScoreResponse | None:
-    pooling(engine, "Score")
+    pooling(engine, "Score", "embed")
     given = [(a, b) for a, b in _PAIRS if getattr(body, a) is not None and getattr(body, b) is not None]
     if len(given) != 1 or sum(getattr(body, f) is not None for f in {f for p in _PAIRS for f in p}) != 2:
         raise APIError(
@@ -49,7 +49,7 @@ async def create_score(
 async def create_rerank(
     engine: AsyncEngine, inputs: Inputs, request: Request, body: RerankRequest
 ) -> RerankResponse | None:
-    pooling(engine, "Rerank (Score)")
+    pooling(engine, "Rerank (Score)", "embed")
     documents = [body.documents] if isinstance(body.documents, str) else body.documents
     scored = await _scores(engine, inputs, request, body, body.query, documents)
     if scored is None:
@@ -84,7 +84,7 @@ async def _scores(
         raise APIError(400, f"a request may hold at most {limit} texts (server.max_completion_prompts)")
     prompts = await inputs.run(_ids, inputs, body, firsts, seconds)
     rid = response_id("score-", request, body.request_id)
-    vectors = await embed(engine, inputs, request, body, rid, prompts, PoolingParams())
+    vectors = await pool(engine, inputs, request, body, rid, prompts, PoolingParams())
     if vectors is None:
         return None
     scores = pair_scores(vectors[: len(firsts)], vectors[len(firsts) :])

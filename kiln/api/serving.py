@@ -15,7 +15,7 @@ from starlette.requests import Request
 
 from kiln.api.errors import APIError
 from kiln.api.inputs import Inputs
-from kiln.api.protocol import EmbeddingRequest, _SamplingRequest, _ScoringRequest
+from kiln.api.protocol import _PooledInputRequest, _SamplingRequest, _ScoringRequest
 from kiln.engine.async_engine import AsyncEngine, RequestStream
 from kiln.engine.output import RequestOutput, merge
 from kiln.engine.request import PositionLogprobs
@@ -140,9 +140,10 @@ def generating(engine: AsyncEngine, api: str) -> None:
         raise APIError(501, f"The model does not support {api} API")
 
 
-def pooling(engine: AsyncEngine, api: str) -> None:
-    """A generating model has no embeddings: its pooling APIs (embeddings, scores) answer 501."""
-    if engine.pooler is None:
+def pooling(engine: AsyncEngine, api: str, task: str = "embed") -> None:
+    """A pooling API of another task than the model's (embed: embeddings and scores; classify), or of a
+    generating model, answers 501, as vLLM's."""
+    if engine.pooler is None or engine.pooler.task != task:
         raise APIError(501, f"The model does not support {api} API")
 
 
@@ -154,7 +155,7 @@ def response_id(prefix: str, request: Request, request_id: str | None) -> str:
 def start_all(
     engine: AsyncEngine,
     request: Request,
-    body: _SamplingRequest | EmbeddingRequest | _ScoringRequest,
+    body: _SamplingRequest | _PooledInputRequest | _ScoringRequest,
     response_id: str,
     prompts: list[list[int]],
     params: Sequence[SamplingParams | PoolingParams],

@@ -103,7 +103,7 @@ class LLMEngine:
                 self.sampling_defaults,
             )
         self.grammars = Grammars(lambda: load_tokenizer(config, path), dims.vocab_size, self.eos_token_ids)
-        self.pooler = resolve_pooler(config.model, path, dims.hidden_size, headless(spec))
+        self.pooler = resolve_pooler(config.model, path, dims.hidden_size, headless(spec), self.model.score)
         self.runner = ModelRunner(
             self.model, config, self.max_model_len, self.backend, self.grammars, self.pooler is not None
         )

@@ -40,15 +40,23 @@ class Pooler:
     """The served model's pooling (model.runner pooling) and its defaults for a request's params."""
 
     kind: Kind
-    normalize: bool
+    normalize: bool  # embed: to unit length; classify: the probabilities (softmax, or sigmoid of one class)
     dimensions: int | None  # the server's default (model.pooler_config)
     hidden_size: int
     matryoshka: bool  # config.json's is_matryoshka or matryoshka_dimensions: a prefix is an embedding too
     matryoshka_dimensions: tuple[int, ...] | None
+    head: torch.Tensor | None = None  # a classifier's score weight (classes x hidden): task classify
+    labels: tuple[str, ...] = ()  # config.json's id2label, by class
+
+    @property
+    def task(self) -> Literal["embed", "classify"]:
+        return "embed" if self.head is None else "classify"
 
     def sequence(self, params: PoolingParams) -> Pooling:
         """One request's pooling; ValueError, naming the field, for params this model cannot serve."""
         dims = self.dimensions if params.dimensions is None else params.dimensions
+        if dims is not None and self.head is not None:
+            raise ValueError("dimensions must be unset: the model classifies")
         if dims is not None:
             if not self.matryoshka:
                 raise ValueError(
@@ -61,7 +69,7 @@ class Pooler:
             if mds is not None and dims not in mds:
                 raise ValueError(f"dimensions must be one of the model's Matryoshka dimensions {list(mds)}")
         normalize = self.normalize if params.use_activation is None else params.use_activation
-        return Pooling(self.kind, normalize, dims)
+        return Pooling(self.kind, normalize, dims, self.head)
 
 
 @dataclass(slots=True, eq=False)
@@ -71,6 +79,7 @@ class Pooling:
     kind: Kind
     normalize: bool
     dimensions: int | None
+    head: torch.Tensor | None = None  # a classifier's score weight
     acc: torch.Tensor | None = None  # MEAN: the sum of its rows so far; CLS: its first row
 
     @property
@@ -91,6 +100,11 @@ class Pooling:
             return None
         assert self.kind == "LAST" or self.acc is not None
         v = rows[-1].float() if self.kind == "LAST" else self.acc / (total if self.kind == "MEAN" else 1)
+        if self.head is not None:  # a classifier's logits, as probabilities unless use_activation is false
+            logits = self.head.float() @ v
+            if not self.normalize:
+                return logits
+            return torch.sigmoid(logits) if len(logits) == 1 else torch.softmax(logits, -1)
         if self.dimensions is not None:
             v = v[: self.dimensions]
         return F.normalize(v, dim=-1) if self.normalize else v
@@ -105,10 +119,23 @@ def pair_scores(firsts: list[torch.Tensor], seconds: list[torch.Tensor]) -> list
     return F.cosine_similarity(a, torch.stack(seconds), dim=-1).tolist()
 
 
-def resolve_pooler(model: ModelConfig, path: Path, hidden_size: int, headless: bool) -> Pooler | None:
+def resolve_pooler(
+    model: ModelConfig, path: Path, hidden_size: int, headless: bool, head: torch.Tensor | None = None
+) -> Pooler | None:
     """The model's pooler when it is served for embeddings (runner pooling; or auto with a
-    sentence-transformers pooling module, or a backbone saved without its head), else None: it
-    generates."""
+    sentence-transformers pooling module, or a backbone saved without its head) or classes (head: a
+    sequence classifier's score weight), else None: it generates."""
+    if head is not None:
+        if model.runner == "generate":
+            raise ValueError(f"{path} holds a sequence classifier: it serves /classify (--runner pooling)")
+        config = json.loads((path / "config.json").read_text())
+        id2label = {int(k): v for k, v in (config.get("id2label") or {}).items()}
+        labels = tuple(id2label.get(i, f"LABEL_{i}") for i in range(len(head)))
+        given = model.pooler_config
+        kind: Kind = (given and given.pooling_type) or "LAST"
+        activation = given is None or given.use_activation is None or given.use_activation
+        log.info("pooling runner: a classifier of %d classes over %s pooling", len(head), kind)
+        return Pooler(kind, activation, None, hidden_size, False, None, head, labels)
     st = _sentence_transformers(path)
     if model.convert == "embed" and model.runner == "generate":
         raise ValueError("--convert embed makes an embedding model, which needs --runner pooling (or auto)")

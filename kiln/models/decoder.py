@@ -181,6 +181,7 @@ class DecoderModel(nn.Module):
         self.norm = Norm(spec.norm, d.hidden_size, d.norm_eps, kernels)
         head = None if d.tie_word_embeddings else Linear(d.hidden_size, d.vocab_size, False, kernels.matmul)
         self.lm_head = head
+        self.score = _param(d.num_labels, d.hidden_size) if d.num_labels else None  # a classifier's head
         self.cos_sin: torch.Tensor | None = None
         self.logits_weight: torch.Tensor | None = None
 

@@ -169,6 +169,18 @@ def _headless(name: str, spec: ArchSpec) -> ArchSpec:
     return replace(spec, name=name, rules=tuple(r for r in spec.rules if r.when != "untied"), dims=dims)
 
 
+def _classifier(name: str, spec: ArchSpec) -> ArchSpec:
+    """A causal LM with a classification head (`score`: classes x hidden) in place of its LM head, as
+    transformers' `*ForSequenceClassification` saves it; served for /classify. The engine's warmup and
+    sampler paths still find an LM head, so one is tied to the embedding."""
+
+    def dims(c: Any) -> ModelDims:
+        return replace(spec.dims(c), tie_word_embeddings=True, num_labels=c.num_labels)
+
+    rules = (*(r for r in spec.rules if r.when != "untied"), R("score.weight", "score"))
+    return replace(spec, name=name, rules=rules, dims=dims)
+
+
 _GPT2_RULES = tuple(
     [
         R("wte.weight", "embed.weight"),
@@ -213,6 +225,17 @@ ARCHITECTURES: dict[str, ArchSpec] = {
     "MistralModel": _headless("MistralModel", _llama_like("MistralModel", llama_dims)),
     "Qwen2Model": _headless("Qwen2Model", _llama_like("Qwen2Model", qwen2_dims)),
     "Qwen3Model": _headless("Qwen3Model", _llama_like("Qwen3Model", qwen3_dims)),
+    **{
+        f"{arch}ForSequenceClassification": _classifier(
+            f"{arch}ForSequenceClassification", _llama_like(f"{arch}ForSequenceClassification", dims)
+        )
+        for arch, dims in (
+            ("Llama", llama_dims),
+            ("Mistral", llama_dims),
+            ("Qwen2", qwen2_dims),
+            ("Qwen3", qwen3_dims),
+        )
+    },
     "GPT2LMHeadModel": ArchSpec(
         "GPT2LMHeadModel",
         "layer",

@@ -64,6 +64,7 @@ class ModelDims:
     moe_intermediate_size: int = 0
     moe_renormalize: bool = True
     moe_layers: tuple[bool, ...] = ()  # per layer: MoE (True) or dense MLP; empty: all dense
+    num_labels: int = 0  # a sequence classifier's classes (its `score` head over the last token); 0: none
 
     @property
     def untied(self) -> bool:

@@ -18,13 +18,14 @@ import openai
 import pytest
 import torch
 import torch.nn.functional as F
+import transformers
 from hypothesis import HealthCheck, given, settings
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from tests.api.fuzz import POOLING_ENDPOINTS, check, requests
 from tests.api.server import AUTH, Server, expect_error, post, start_server
 from tests.conftest import API_KEY
-from tests.models.tiny import build_default_vocab
+from tests.models.tiny import CONFIGS, build_default_vocab, save_tokenizer
 
 pytestmark = pytest.mark.slow
 
@@ -247,3 +248,59 @@ def test_hostile_pooling_bodies_get_no_500(embed_server: Server) -> None:
         one()
     assert statuses[200] > 0 and statuses[400] > 0, statuses
     assert post(embed_server, "/v1/embeddings", json={"input": "still here"}).status_code == 200
+
+
+@pytest.fixture(scope="module")
+def classifier(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, torch.nn.Module]:
+    path = tmp_path_factory.mktemp("tiny-classifier")
+    config_cls, kwargs = CONFIGS["llama"]
+    config = getattr(transformers, config_cls)(**kwargs, num_labels=2, id2label={0: "calm", 1: "angry"})
+    torch.manual_seed(0)
+    model = transformers.AutoModelForSequenceClassification.from_config(config, dtype=torch.float32).eval()
+    model.save_pretrained(path)
+    save_tokenizer(path)
+    return path, model
+
+
+@pytest.fixture(scope="module")
+def classify_server(tmp_path_factory: pytest.TempPathFactory, classifier: tuple) -> Iterator[Server]:
+    config = {
+        "model": {"model": str(classifier[0]), "max_model_len": 64, "dtype": "float32"},
+        "cache": {"kv_cache_gib": 0.02},
+        "compile": {"mode": "eager"},
+        "server": {"api_key": API_KEY},
+    }
+    srv = start_server(tmp_path_factory.mktemp("serve-classify"), config)  # runner auto: a classifier
+    yield srv
+    assert srv.stop() == 0, srv.output()
+
+
+def test_classify_gives_each_inputs_class_probabilities(classify_server: Server, classifier: tuple) -> None:
+    texts = ["t5 t6 t7", "t100", "t9 t9 t9 t9 t9"]
+    r = post(classify_server, "/classify", json={"input": texts})
+    assert r.status_code == 200, r.text
+    got = r.json()
+    assert got["id"].startswith("classify-") and got["object"] == "list"
+    tokenizer = AutoTokenizer.from_pretrained(classifier[0])
+    for i, (d, text) in enumerate(zip(got["data"], texts, strict=True)):
+        with torch.no_grad():
+            want = classifier[1](torch.tensor([tokenizer.encode(text)])).logits[0].softmax(-1)
+        np.testing.assert_allclose(d["probs"], want.numpy(), atol=1e-5)
+        assert (d["index"], d["num_classes"], d["label"]) == (i, 2, ["calm", "angry"][int(want.argmax())])
+    assert got["usage"]["prompt_tokens"] == 3 + 1 + 5
+    r = post(classify_server, "/classify", json={"input": texts[0], "use_activation": False})
+    with torch.no_grad():
+        logits = classifier[1](torch.tensor([tokenizer.encode(texts[0])])).logits[0]
+    np.testing.assert_allclose(r.json()["data"][0]["probs"], logits.numpy(), atol=1e-5)
+    assert len(post(classify_server, "/invocations", json={"input": texts}).json()["data"]) == 3
+
+
+def test_each_pooling_task_answers_only_its_own_apis(classify_server: Server, embed_server: Server) -> None:
+    for server, path, api, body in (
+        (classify_server, "/v1/embeddings", "Embeddings", {"input": "t1"}),
+        (classify_server, "/rerank", "Rerank (Score)", {"query": "t1", "documents": ["t2"]}),
+        (classify_server, "/v1/completions", "Completions", {"prompt": "t1"}),
+        (embed_server, "/classify", "Classification", {"input": "hi"}),
+    ):
+        message = expect_error(post(server, path, json=body), 501, "NotImplementedError")
+        assert message == f"The model does not support {api} API"

@@ -12,11 +12,12 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+import transformers
 
 from kiln.llm import LLM
 from kiln.pooling_params import PoolingParams
 from kiln.sampling_params import SamplingParams
-from tests.models.tiny import build, save_tokenizer
+from tests.models.tiny import CONFIGS, build, save_tokenizer
 
 # A 16-token prefill chunk puts the long prompts across several steps; async scheduling finishes each
 # embedding request at its launch, before its vector lands.
@@ -180,3 +181,26 @@ def test_backbones_saved_without_their_head_are_embedding_models(tmp_path: Path)
     (flat / "config.json").write_text(json.dumps(config))
     [v] = embeddings(LLM(str(flat), runner="pooling", **OPTIONS), [ids])
     torch.testing.assert_close(v, want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen3"])
+def test_a_sequence_classifier_gives_transformers_class_probabilities(tmp_path: Path, name: str) -> None:
+    config_cls, kwargs = CONFIGS[name]
+    config = getattr(transformers, config_cls)(
+        **kwargs, num_labels=3, id2label={0: "no", 1: "maybe", 2: "yes"}
+    )
+    torch.manual_seed(0)
+    hf = transformers.AutoModelForSequenceClassification.from_config(config, dtype=torch.float32).eval()
+    hf.save_pretrained(tmp_path)
+    save_tokenizer(tmp_path)
+    llm = LLM(str(tmp_path), **OPTIONS)  # runner auto: pooling, task classify
+    outs = llm.classify(PROMPTS, use_tqdm=False)
+    for ids, out in zip(PROMPTS, outs, strict=True):
+        with torch.no_grad():
+            logits = hf(torch.tensor([ids])).logits[0]
+        torch.testing.assert_close(torch.tensor(out.outputs.probs), logits.softmax(-1), atol=1e-5, rtol=1e-5)
+    assert llm.engine.pooler is not None and llm.engine.pooler.labels == ("no", "maybe", "yes")
+    with pytest.raises(ValueError, match="--runner pooling"):
+        llm.generate([[1, 2]], SamplingParams(max_tokens=2), use_tqdm=False)
+    with pytest.raises(ValueError, match="sequence classifier"):
+        LLM(str(tmp_path), runner="generate", **OPTIONS)
