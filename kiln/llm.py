@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
+import torch
 from tqdm import tqdm
 
 from kiln.config import EngineConfig
@@ -14,57 +14,22 @@ from kiln.engine.beam_search import BeamSearch, BeamSearchOutput, BeamSearchPara
 from kiln.engine.chat_template import render_chat
 from kiln.engine.engine import LLMEngine
 from kiln.engine.output import RequestOutput
-from kiln.engine.pooler import pair_scores
+from kiln.engine.pooler import check_pairs, pair_scores
+from kiln.pooling_output import (
+    ClassificationOutput,
+    ClassificationRequestOutput,
+    EmbeddingOutput,
+    EmbeddingRequestOutput,
+    Out,
+    PoolingRequestOutput,
+    ScoringOutput,
+    ScoringRequestOutput,
+)
 from kiln.pooling_params import PoolingParams
 from kiln.sampling_params import SamplingParams
 
 Prompt = str | list[int] | dict[str, Any]
 Message = dict[str, Any]
-
-
-@dataclass(slots=True)
-class EmbeddingOutput:
-    embedding: list[float]
-
-
-@dataclass(slots=True)
-class EmbeddingRequestOutput:
-    """vLLM's: what LLM.embed gives for one prompt."""
-
-    request_id: str
-    prompt_token_ids: list[int]
-    finished: bool
-    outputs: EmbeddingOutput
-
-
-@dataclass(slots=True)
-class ScoringOutput:
-    score: float
-
-
-@dataclass(slots=True)
-class ScoringRequestOutput:
-    """vLLM's: what LLM.score gives for one pair."""
-
-    request_id: str
-    prompt_token_ids: list[int]  # the pair's, one after the other
-    finished: bool
-    outputs: ScoringOutput
-
-
-@dataclass(slots=True)
-class ClassificationOutput:
-    probs: list[float]
-
-
-@dataclass(slots=True)
-class ClassificationRequestOutput:
-    """vLLM's: what LLM.classify gives for one prompt."""
-
-    request_id: str
-    prompt_token_ids: list[int]
-    finished: bool
-    outputs: ClassificationOutput
 
 
 class LLM:
@@ -106,13 +71,7 @@ class LLM:
         else:
             params = list(pooling_params)
         outputs = self._run(self._add(batch, params, priority), use_tqdm)
-        return [
-            EmbeddingRequestOutput(
-                o.request_id, o.prompt_token_ids, o.finished, EmbeddingOutput(o.embedding.tolist())
-            )
-            for o in outputs
-            if o.embedding is not None
-        ]
+        return [_pooled(o, EmbeddingOutput(_vector(o).tolist())) for o in outputs]
 
     def score(
         self, data_1: str | Sequence[str], data_2: str | Sequence[str], use_tqdm: bool = True
@@ -121,15 +80,14 @@ class LLM:
         N:N), as vLLM scores with a bi-encoder."""
         firsts = [data_1] if isinstance(data_1, str) else list(data_1)
         seconds = [data_2] if isinstance(data_2, str) else list(data_2)
-        if len(firsts) > 1 and len(firsts) != len(seconds):
-            raise ValueError("Input lengths must be either 1:1, 1:N or N:N")
+        check_pairs(len(firsts), len(seconds))
         params = [PoolingParams()] * (len(firsts) + len(seconds))
         outs = self._run(self._add(_as_batch(firsts + seconds), params, None), use_tqdm)
-        vectors = [o.embedding for o in outs if o.embedding is not None]
+        vectors = [_vector(o) for o in outs]
         scores = pair_scores(vectors[: len(firsts)], vectors[len(firsts) :])
         a = outs[: len(firsts)] * (len(seconds) if len(firsts) == 1 else 1)
         return [
-            ScoringRequestOutput(
+            PoolingRequestOutput(
                 f"{x.request_id}_{y.request_id}",
                 x.prompt_token_ids + y.prompt_token_ids,
                 True,
@@ -144,13 +102,7 @@ class LLM:
         """vLLM's, for a sequence classifier: each prompt's class probabilities (prompts as generate)."""
         batch = _as_batch(prompts)
         outs = self._run(self._add(batch, [PoolingParams()] * len(batch), None), use_tqdm)
-        return [
-            ClassificationRequestOutput(
-                o.request_id, o.prompt_token_ids, o.finished, ClassificationOutput(o.embedding.tolist())
-            )
-            for o in outs
-            if o.embedding is not None
-        ]
+        return [_pooled(o, ClassificationOutput(_vector(o).tolist())) for o in outs]
 
     def _add(
         self,
@@ -260,6 +212,15 @@ class LLM:
                 if rid not in done:
                     self.engine.abort(rid)
         return [done[i] for i in ids]
+
+
+def _vector(out: RequestOutput) -> torch.Tensor:
+    assert out.embedding is not None, "a pooling model's output"
+    return out.embedding
+
+
+def _pooled(out: RequestOutput, outputs: Out) -> PoolingRequestOutput[Out]:
+    return PoolingRequestOutput(out.request_id, out.prompt_token_ids, out.finished, outputs)
 
 
 def _as_batch(prompts: Prompt | Sequence[Prompt]) -> list[tuple[str | list[int], str | None]]:

@@ -162,13 +162,13 @@ def truncate_prompt(
     side: Literal["left", "right"] = "left",
 ) -> list[int]:
     """The prompt's last `keep` tokens (side "left", vLLM's default: cut from the left), or its first
-    (side "right"); keep -1: as many as leave room for max_tokens (for one token when unset) within
-    max_model_len."""
+    (side "right"); keep -1: as many as leave room for max_tokens (for one token when unset; 0 for an
+    embedding, which generates none) within max_model_len."""
     check_truncation(keep)
     if keep is None:
         return ids
     if keep == -1:
-        keep = max(max_model_len - (max_tokens or 1), 1)
+        keep = max(max_model_len - (1 if max_tokens is None else max_tokens), 1)
     return ids[-keep:] if side == "left" else ids[:keep]
 
 

@@ -18,6 +18,7 @@ from kiln.api.responses import EmbeddingData, EmbeddingResponse, Usage
 from kiln.api.serving import final_outputs, pooling, response_id, start_all
 from kiln.engine.async_engine import AsyncEngine
 from kiln.pooling_params import PoolingParams
+from kiln.sampling_params import truncate_prompt
 
 # embed_dtype -> (the values' dtype, a same-width dtype numpy has, to take their bytes and swap them)
 _DTYPES = {
@@ -34,10 +35,6 @@ async def create_embedding(
 ) -> EmbeddingResponse | None:
     pooling(engine, "Embeddings", "embed")
     params = PoolingParams(dimensions=body.dimensions, use_activation=body.use_activation)
-    try:
-        engine.pooler.sequence(params)  # type: ignore[union-attr]
-    except ValueError as e:
-        raise APIError(400, str(e), "dimensions") from None
     prompts = await prompts_of(inputs, body)
     rid = response_id("embd-", request, body.request_id)
     vectors = await pool(engine, inputs, request, body, rid, prompts, params)
@@ -115,10 +112,11 @@ def truncated(inputs: Inputs, body: _PooledInputRequest | _ScoringRequest, ids: 
             f"truncate_prompt_tokens={keep} cannot be greater than max_model_len={longest}",
             "truncate_prompt_tokens",
         )
-    if keep is not None:
-        keep = longest if keep == -1 else keep
-        side = body.truncation_side or inputs.tokenizer.truncation_side
-        ids = ids[-keep:] if side == "left" else ids[:keep]
+    side = body.truncation_side or inputs.tokenizer.truncation_side
+    try:
+        ids = truncate_prompt(ids, keep, 0, longest, side)  # nothing is generated: -1 keeps max_model_len
+    except ValueError as e:
+        raise APIError(400, str(e), "truncate_prompt_tokens") from None
     if len(ids) > longest:
         raise APIError(
             400,

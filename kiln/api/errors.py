@@ -11,6 +11,7 @@ from starlette.responses import Response
 
 from kiln.api.responses import ErrorInfo, ErrorResponse
 from kiln.engine.async_engine import EngineDeadError
+from kiln.pooling_params import PoolingParams
 from kiln.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -28,7 +29,11 @@ ERROR_TYPES = {
 _encoder = msgspec.json.Encoder()
 _UNKNOWN = re.compile(r"Object contains unknown field `(.*)`")
 # The fields an engine ValueError may begin with: the params, and the options beside them.
-_ENGINE_FIELDS = frozenset(SamplingParams.__struct_fields__) | {"priority", "cache_salt"}
+_ENGINE_FIELDS = (
+    frozenset(SamplingParams.__struct_fields__)
+    | frozenset(PoolingParams.__struct_fields__)
+    | {"priority", "cache_salt"}
+)
 
 
 class APIError(Exception):

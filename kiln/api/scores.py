@@ -22,7 +22,7 @@ from kiln.api.responses import (
 )
 from kiln.api.serving import pooling, response_id
 from kiln.engine.async_engine import AsyncEngine
-from kiln.engine.pooler import pair_scores
+from kiln.engine.pooler import check_pairs, pair_scores
 from kiln.pooling_params import PoolingParams
 
 _PAIRS = (("queries", "documents"), ("queries", "items"), ("data_1", "data_2"), ("text_1", "text_2"))
@@ -77,8 +77,10 @@ async def _scores(
         raise APIError(400, "At least one text element must be given")
     if not seconds:
         raise APIError(400, "At least one text_pair element must be given")
-    if len(firsts) > 1 and len(firsts) != len(seconds):
-        raise APIError(400, "Input lengths must be either 1:1, 1:N or N:N")  # (before any work)
+    try:
+        check_pairs(len(firsts), len(seconds))
+    except ValueError as e:
+        raise APIError(400, str(e)) from None
     limit = inputs.limits.max_completion_prompts
     if len(firsts) + len(seconds) > limit:
         raise APIError(400, f"a request may hold at most {limit} texts (server.max_completion_prompts)")

@@ -63,9 +63,17 @@ class Admission:
         if any(not 0 <= t < vocab for t in ids):
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
 
-    def check_params(self, params: SamplingParams) -> BadWords:
-        """What SamplingParams can't check alone: limits that depend on the model. Returns the bad words
-        as token sequences, which checking them makes."""
+    def check_params(self, params: SamplingParams | PoolingParams) -> BadWords:
+        """What the params can't check alone: limits that depend on the model, and the kind of request
+        its runner serves (a pooling model embeds, a generating one generates). Returns the bad words as
+        token sequences, which checking them makes."""
+        if isinstance(params, PoolingParams):
+            if self.pooler is None:
+                raise ValueError("embeddings need a pooling model: serve it with --runner pooling")
+            self.pooler.sequence(params)
+            return ()
+        if self.pooler is not None:
+            raise ValueError("a pooling model (--runner pooling) gives embeddings and does not generate")
         vocab = self.vocab_size
         for name in ("logprobs", "prompt_logprobs"):
             k = getattr(params, name)
@@ -86,13 +94,6 @@ class Admission:
                     "(model.structured_outputs_in_reasoning)"
                 )
         return tokenize_bad_words(self.tokenizer, params.bad_words, vocab)
-
-    def check_kind(self, params: SamplingParams | PoolingParams) -> None:
-        """A pooling model embeds and a generating one generates (vLLM's runner)."""
-        if isinstance(params, PoolingParams) and self.pooler is None:
-            raise ValueError("embeddings need a pooling model: serve it with --runner pooling")
-        if isinstance(params, SamplingParams) and self.pooler is not None:
-            raise ValueError("a pooling model (--runner pooling) gives embeddings and does not generate")
 
     def pooled_request(
         self, request_id: str, ids: list[int], params: PoolingParams, priority: int, cache_salt: str | None

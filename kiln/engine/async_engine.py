@@ -151,11 +151,9 @@ class AsyncEngine:
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in use")
         admission = self.admission
-        admission.check_kind(params)
         admission.check_options(priority, cache_salt)
-        pooled = isinstance(params, PoolingParams)
-        bad_words = () if pooled else admission.check_params(params)
-        admission.check_prompt(prompt_ids, pooled)
+        bad_words = admission.check_params(params)
+        admission.check_prompt(prompt_ids, isinstance(params, PoolingParams))
         stream = RequestStream(request_id, self, params)
         self._streams[request_id] = stream
         self._commands.put(_Add(request_id, prompt_ids, params, priority, cache_salt, bad_words))

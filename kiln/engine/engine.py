@@ -183,11 +183,10 @@ class LLMEngine:
         if request_id in self.output.parents:
             raise ValueError(f"request id {request_id!r} is already in use")
         admission = self.admission
-        admission.check_kind(params)
         bad_words = checked
         if bad_words is None:
             admission.check_options(priority, cache_salt)
-            bad_words = () if isinstance(params, PoolingParams) else admission.check_params(params)
+            bad_words = admission.check_params(params)
         ids = admission.tokenize(prompt, params)
         if isinstance(params, PoolingParams):
             children = [admission.pooled_request(request_id, ids, params, priority, cache_salt)]

@@ -110,11 +110,15 @@ class Pooling:
         return F.normalize(v, dim=-1) if self.normalize else v
 
 
-def pair_scores(firsts: list[torch.Tensor], seconds: list[torch.Tensor]) -> list[float]:
-    """The cosine similarity of each pair of embeddings, one first against every second or pair by pair
-    (1:N or N:N), as vLLM scores with an embedding model."""
-    if len(firsts) > 1 and len(firsts) != len(seconds):
+def check_pairs(num_firsts: int, num_seconds: int) -> None:
+    """vLLM's pairings for scores: 1:1, 1:N or N:N."""
+    if num_firsts > 1 and num_firsts != num_seconds:
         raise ValueError("Input lengths must be either 1:1, 1:N or N:N")
+
+
+def pair_scores(firsts: list[torch.Tensor], seconds: list[torch.Tensor]) -> list[float]:
+    """The cosine similarity of each pair of embeddings (paired as check_pairs allows), as vLLM scores
+    with an embedding model."""
     a = torch.stack(firsts).expand(len(seconds), -1)
     return F.cosine_similarity(a, torch.stack(seconds), dim=-1).tolist()
 

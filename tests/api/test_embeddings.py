@@ -129,6 +129,8 @@ def test_truncation_and_the_context_limit(embed_server: Server, reference: tuple
     assert r.json()["usage"]["prompt_tokens"] == 64
     r = post(embed_server, "/v1/embeddings", json={"input": ids, "truncate_prompt_tokens": 65})
     expect_error(r, 400, "BadRequestError", "truncate_prompt_tokens")
+    r = post(embed_server, "/v1/embeddings", json={"input": ids, "truncate_prompt_tokens": 0})
+    expect_error(r, 400, "BadRequestError", "truncate_prompt_tokens")
 
 
 def test_bad_embedding_requests_name_their_field(embed_server: Server) -> None:
