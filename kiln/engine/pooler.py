@@ -13,7 +13,7 @@ from typing import Any, Literal
 import torch
 import torch.nn.functional as F
 
-from kiln.config import ModelConfig
+from kiln.config import ModelConfig, PoolerConfig
 from kiln.pooling_params import PoolingParams
 
 log = logging.getLogger(__name__)
@@ -128,42 +128,32 @@ def resolve_pooler(
 ) -> Pooler | None:
     """The model's pooler when it is served for embeddings (runner pooling; or auto with a
     sentence-transformers pooling module, or a backbone saved without its head) or classes (head: a
-    sequence classifier's score weight), else None: it generates."""
+    sequence classifier's score weight), else None: it generates. model.pooler_config wins over the
+    folder's settings."""
+    given = model.pooler_config or PoolerConfig()
+    config = json.loads((path / "config.json").read_text())
     if head is not None:
         if model.runner == "generate":
             raise ValueError(f"{path} holds a sequence classifier: it serves /classify (--runner pooling)")
-        config = json.loads((path / "config.json").read_text())
         id2label = {int(k): v for k, v in (config.get("id2label") or {}).items()}
         labels = tuple(id2label.get(i, f"LABEL_{i}") for i in range(len(head)))
-        given = model.pooler_config
-        kind: Kind = (given and given.pooling_type) or "LAST"
-        activation = given is None or given.use_activation is None or given.use_activation
+        kind: Kind = given.pooling_type or "LAST"
         log.info("pooling runner: a classifier of %d classes over %s pooling", len(head), kind)
-        return Pooler(kind, activation, None, hidden_size, False, None, head, labels)
-    st = _sentence_transformers(path)
+        return Pooler(kind, given.use_activation is not False, None, hidden_size, False, None, head, labels)
     if model.convert == "embed" and model.runner == "generate":
         raise ValueError("--convert embed makes an embedding model, which needs --runner pooling (or auto)")
-    pooled = model.runner == "pooling" or model.convert == "embed" or st is not None or headless
     if model.runner == "generate" and headless:
         raise ValueError(f"{path} holds a model without its LM head: it serves embeddings (--runner pooling)")
+    st = _sentence_transformers(path)
+    pooled = model.runner == "pooling" or model.convert == "embed" or st is not None or headless
     if model.runner == "generate" or not pooled:
         return None
-    given = model.pooler_config
     st = st or {}
-    kind: Kind = (given and given.pooling_type) or st.get("kind") or "LAST"
-    normalize = (
-        given.use_activation if given and given.use_activation is not None else st.get("normalize", True)
-    )
-    config = json.loads((path / "config.json").read_text())
+    kind = given.pooling_type or st.get("kind") or "LAST"
+    normalize = st.get("normalize", True) if given.use_activation is None else given.use_activation
     mds = config.get("matryoshka_dimensions")
-    pooler = Pooler(
-        kind,
-        normalize,
-        given.dimensions if given else None,
-        hidden_size,
-        bool(mds) or bool(config.get("is_matryoshka")),
-        tuple(mds) if mds else None,
-    )
+    matryoshka = bool(mds) or bool(config.get("is_matryoshka"))
+    pooler = Pooler(kind, normalize, given.dimensions, hidden_size, matryoshka, tuple(mds) if mds else None)
     if pooler.dimensions is not None:
         pooler.sequence(PoolingParams())  # the server's default dimensions, checked once
     log.info("pooling runner: %s pooling, %snormalized", kind, "" if normalize else "not ")
