@@ -15,7 +15,7 @@ from kiln.perf.cli import add_perf_parser
 from kiln.serve_flags import SERVE_FLAGS
 
 if TYPE_CHECKING:
-    from kiln.config import ServeConfig
+    from kiln.server_config import ServeConfig
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 

@@ -59,6 +59,8 @@ class CacheConfig(_Section):
     # The share of the GPU's memory kiln may use (null: 0.9, as vLLM); the KV cache gets what the weights,
     # the largest step and the CUDA graphs leave of it.
     gpu_memory_utilization: Annotated[float, Meta(gt=0, le=1)] | None = None
+    # vLLM's: exactly this many KV blocks, whatever the memory settings say (for testing preemption).
+    num_gpu_blocks_override: Annotated[int, Meta(ge=1)] | None = None
 
     def on(self, device_type: str) -> CacheConfig:
         """This section with its block size decided for the device."""
@@ -87,17 +89,38 @@ class SchedulerConfig(_Section):
     # each request's `priority` (smaller first), then arrival; the least urgent running request is
     # preempted first. Under fcfs a request that sets a priority is refused.
     policy: Literal["fcfs", "priority"] = "fcfs"
+    # vLLM's capacity valves, checked as a request arrives: a 503 when the sequences in flight (waiting or
+    # running; a request takes n) would exceed max_num_queued_reqs, or when the prompt tokens of requests
+    # not yet past prefill already reach max_num_queued_tokens. null: no limit.
+    max_num_queued_reqs: Annotated[int, Meta(ge=0)] | None = None
+    max_num_queued_tokens: Annotated[int, Meta(ge=0)] | None = None
+    # vLLM's: false prefills each prompt in one step (long_prefill_token_threshold, if set, still splits it),
+    # and a prompt waits while the step has too few tokens left for it; max_num_batched_tokens must then
+    # hold max_model_len, which is its default.
+    enable_chunked_prefill: bool = True
 
-    def on(self, device_type: str, gpu_memory: int = 0, gpu_name: str = "") -> SchedulerConfig:
+    def on(
+        self, device_type: str, gpu_memory: int = 0, gpu_name: str = "", max_model_len: int = 0
+    ) -> SchedulerConfig:
         """This section with its batch limits decided for the device: on a GPU of 70 GiB or more other than
         an A100 (vLLM found an A100 slower with more tokens), 1024 sequences and 8192 tokens a step; on other
-        GPUs 256 and 2048; on a CPU 128 and 2048."""
+        GPUs 256 and 2048; on a CPU 128 and 2048. Without chunked prefill, at least max_model_len tokens."""
         if device_type == "cpu":
             seqs, tokens = 128, 2048
         elif gpu_memory >= 70 * 2**30 and "a100" not in gpu_name.lower():
             seqs, tokens = 1024, 8192
         else:
             seqs, tokens = 256, 2048
+        if not self.enable_chunked_prefill:
+            tokens = max(tokens, max_model_len)
+            given = self.max_num_batched_tokens
+            if given is not None and given < max_model_len:
+                raise ValueError(
+                    f"max_num_batched_tokens ({given}) is smaller than max_model_len ({max_model_len}). "
+                    "This effectively limits the maximum sequence length to max_num_batched_tokens and makes "
+                    "kiln reject longer sequences. Please increase max_num_batched_tokens or decrease "
+                    "max_model_len."
+                )
         return msgspec.structs.replace(
             self,
             max_num_seqs=self.max_num_seqs or seqs,
@@ -111,7 +134,8 @@ class SchedulerConfig(_Section):
         """The most tokens one request prefills in a step; tiles: the CPU kernels run on AMX tiles."""
         threshold = self.long_prefill_token_threshold
         if threshold is None:
-            threshold = (1024 if tiles else 128) if device_type == "cpu" else 0
+            cpu = (1024 if tiles else 128) if self.enable_chunked_prefill else 0
+            threshold = cpu if device_type == "cpu" else 0
         return threshold or self.max_num_batched_tokens
 
 
@@ -129,6 +153,9 @@ class CompileConfig(_Section):
     # Token counts mixed and prefill steps are padded to (null: powers of two up to max_num_batched_tokens,
     # which none may exceed).
     token_sizes: list[Annotated[int, Meta(ge=2)]] | None = None
+    # vLLM's max_cudagraph_capture_size: the largest default decode size (null: 512). With decode_sizes
+    # set, it must be their largest.
+    max_decode_size: Annotated[int, Meta(ge=1)] | None = None
     cache_file: str | None = None  # a `kiln warmup --export` file to install before warming up
 
 
@@ -188,87 +215,3 @@ _SECTIONS: dict[str, type[_Section]] = {
     "parallel": ParallelConfig,
     "backend": BackendConfig,
 }
-
-
-class ServerConfig(_Section):
-    host: str = "127.0.0.1"
-    port: Annotated[int, Meta(ge=0, le=65535)] = 8000
-    api_key: str | list[str] | None = None  # when set, /v1/* needs "Authorization: Bearer <one of them>"
-    served_model_name: str | list[str] | None = None  # the model's names, the first reported; null: its own
-    drain_timeout: Annotated[float, Meta(ge=0)] = 30.0  # seconds SIGTERM waits for requests in flight
-    max_request_bytes: Annotated[int, Meta(ge=1024)] = 16 * 2**20  # larger bodies get 413
-    # What one request may ask for; over a limit is a 400 naming it. vLLM's names (its VLLM_MAX_* variables).
-    max_n_sequences: Annotated[int, Meta(ge=1)] = 128  # `n`; OpenAI's own cap
-    max_stop_strings: Annotated[int, Meta(ge=0)] = 4  # entries of `stop`, as OpenAI and vLLM
-    max_completion_prompts: Annotated[int, Meta(ge=1)] = 1024  # prompts in one /v1/completions request
-    # Characters of prompt text, checked before tokenizing. null: max_model_len tokens of the tokenizer's
-    # longest token, twice over (normalizers may shorten text), so no prompt that fits is refused.
-    max_prompt_chars: Annotated[int, Meta(ge=1)] | None = None
-    # The event loop's nice value above the engine's (Linux): bulk work such as receiving large bodies
-    # yields the cores to the engine's threads. 0 leaves both equal.
-    loop_nice: Annotated[int, Meta(ge=0, le=19)] = 5
-    # tool_choice "auto" (the default when a request gives tools): the model's text parsed into calls by
-    # tool_call_parser, the format its chat template teaches. Off, "auto" is a 400, as in vLLM.
-    enable_auto_tool_choice: bool = False
-    tool_call_parser: Literal["hermes", "llama3_json", "mistral", "qwen3_coder", "pythonic"] | None = None
-    # vLLM's: every response carries an X-Request-Id header, the request's own or a random one.
-    enable_request_id_headers: bool = False
-    # vLLM's CORS: browsers on these origins may call the server (none by default, as vLLM; "*": any).
-    allowed_origins: list[str] = msgspec.field(default_factory=list)
-    allowed_methods: list[str] = msgspec.field(default_factory=lambda: ["*"])
-    allowed_headers: list[str] = msgspec.field(default_factory=lambda: ["*"])
-    allow_credentials: bool = False
-    # Paths whose requests the access log leaves out, e.g. ["/health", "/metrics"] (vLLM's
-    # --disable-access-log-for-endpoints).
-    disable_access_log_for_endpoints: list[str] = msgspec.field(default_factory=list)
-    # vLLM's --stream-interval: a streamed choice's tokens gathered into chunks of this many (its first and
-    # last chunks go at once); fewer, larger chunks cost the server and the client less. A request's
-    # stream_interval may raise it.
-    stream_interval: Annotated[int, Meta(ge=1)] = 1
-    # vLLM's: each usage also gives prompt_tokens_details.cached_tokens, the prompt tokens served from the
-    # prefix cache.
-    enable_prompt_tokens_details: bool = False
-    # vLLM's --enable-log-requests: each request's prompt and sampling params, logged as it is queued;
-    # --max-log-len cuts the prompt's text and ids to that many (null: whole).
-    enable_log_requests: bool = False
-    max_log_len: Annotated[int, Meta(ge=0)] | None = None
-    # vLLM's --enable-log-outputs: each finished choice's text, token ids and finish reason (cut likewise).
-    enable_log_outputs: bool = False
-    # vLLM's engine line every log_stats_interval seconds (throughput, queue, KV cache, prefix-cache hit
-    # rate), at INFO while there is work; --disable-log-stats turns it off.
-    disable_log_stats: bool = False
-    log_stats_interval: Annotated[float, Meta(gt=0)] = 10.0
-    disable_uvicorn_access_log: bool = False  # vLLM's name: no access log at all
-    # HTTPS (vLLM's --ssl-*): the server's certificate chain and key; with ssl_ca_certs and ssl_cert_reqs 2
-    # (ssl.CERT_REQUIRED), clients must show a certificate that CA signed.
-    ssl_certfile: str | None = None
-    ssl_keyfile: str | None = None
-    ssl_ca_certs: str | None = None
-    ssl_cert_reqs: Annotated[int, Meta(ge=0, le=2)] = 0
-    # Server-wide defaults for request fields, as vLLM's flags of the same names: the role of chat replies,
-    # logprobs' tokens as "token_id:{id}", usage in every stream, and chat_template_kwargs under a request's.
-    response_role: str = "assistant"
-    return_tokens_as_token_ids: bool = False
-    enable_force_include_usage: bool = False
-    default_chat_template_kwargs: dict[str, Any] | None = None
-    # A request's own chat_template is refused unless this is set: a template is code the server runs.
-    trust_request_chat_template: bool = False
-
-    @property
-    def api_keys(self) -> list[str]:
-        return [self.api_key] if isinstance(self.api_key, str) else self.api_key or []
-
-    def __post_init__(self) -> None:
-        if (self.ssl_certfile is None) != (self.ssl_keyfile is None):
-            raise ValueError("server.ssl_certfile and server.ssl_keyfile go together")
-        if self.enable_auto_tool_choice and self.tool_call_parser is None:
-            raise ValueError(
-                "server.enable_auto_tool_choice needs server.tool_call_parser "
-                "(hermes, llama3_json, mistral, qwen3_coder or pythonic)"
-            )
-
-
-class ServeConfig(EngineConfig):
-    """What `kiln serve` runs: the engine sections plus the HTTP server."""
-
-    server: ServerConfig = msgspec.field(default_factory=ServerConfig)

@@ -9,7 +9,7 @@ from typing import Any
 import msgspec
 import yaml
 
-from kiln.config import ServeConfig
+from kiln.server_config import ServeConfig
 
 
 class ConfigError(ValueError):

@@ -5,6 +5,33 @@ from __future__ import annotations
 import argparse
 import json
 
+
+def human_readable_int(text: str) -> int:
+    """vLLM's sizes: 25.6k (x1000), 4G (x2**30; no decimals), or a plain integer."""
+    number, unit = text[:-1], text[-1:]
+    decimal, binary = "kmgt", "KMGT"
+    if unit in binary and "." in number:
+        raise argparse.ArgumentTypeError(
+            f"Decimals are not allowed with binary suffixes like {unit}. Did you mean to use "
+            f"{number}{unit.lower()} instead?"
+        )
+    try:
+        if unit in decimal:
+            return int(float(number) * 1000 ** (decimal.index(unit) + 1))
+        if unit in binary:
+            return int(number) * 1024 ** (binary.index(unit) + 1)
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a size: an integer, with k, m, g or t (x1000) or K, M, G or T (x1024) after it"
+        ) from None
+
+
+def gib(text: str) -> float:
+    """--kv-cache-memory-bytes as kiln's cache.kv_cache_gib."""
+    return human_readable_int(text) / 2**30
+
+
 # vLLM's flag -> (config section, key). Flags left unset keep the config file's value.
 SERVE_FLAGS: dict[str, tuple[str, str, dict]] = {
     "--model": ("model", "model", {"help": "model folder, or 'default' (SmolLM2-135M-Instruct)"}),
@@ -28,8 +55,19 @@ SERVE_FLAGS: dict[str, tuple[str, str, dict]] = {
     ),
     "--max-model-len": ("model", "max_model_len", {"type": int}),
     "--max-num-seqs": ("scheduler", "max_num_seqs", {"type": int}),
-    "--max-num-batched-tokens": ("scheduler", "max_num_batched_tokens", {"type": int}),
+    "--max-num-batched-tokens": ("scheduler", "max_num_batched_tokens", {"type": human_readable_int}),
+    "--max-num-queued-reqs": ("scheduler", "max_num_queued_reqs", {"type": int, "help": "503 beyond"}),
+    "--max-num-queued-tokens": (
+        "scheduler",
+        "max_num_queued_tokens",
+        {"type": human_readable_int, "help": "prompt tokens awaiting prefill; 503 beyond"},
+    ),
     "--long-prefill-token-threshold": ("scheduler", "long_prefill_token_threshold", {"type": int}),
+    "--enable-chunked-prefill": (
+        "scheduler",
+        "enable_chunked_prefill",
+        {"action": argparse.BooleanOptionalAction, "help": "off: each prompt prefilled in one step"},
+    ),
     "--async-scheduling": (
         "scheduler",
         "async_scheduling",
@@ -38,6 +76,12 @@ SERVE_FLAGS: dict[str, tuple[str, str, dict]] = {
     "--scheduling-policy": ("scheduler", "policy", {"choices": ["fcfs", "priority"]}),
     "--block-size": ("cache", "block_size", {"type": int}),
     "--kv-cache-gib": ("cache", "kv_cache_gib", {"type": float}),
+    "--kv-cache-memory-bytes": (
+        "cache",
+        "kv_cache_gib",
+        {"type": gib, "metavar": "BYTES", "help": "e.g. 4G"},
+    ),
+    "--num-gpu-blocks-override": ("cache", "num_gpu_blocks_override", {"type": int}),
     "--dtype": ("model", "dtype", {"choices": ["auto", "float32", "bfloat16", "float16"]}),
     "--device": ("model", "device", {}),
     "--seed": ("model", "seed", {"type": int}),
@@ -48,10 +92,16 @@ SERVE_FLAGS: dict[str, tuple[str, str, dict]] = {
         "override_generation_config",
         {"type": json.loads, "metavar": "JSON", "help": "laid over the generation config"},
     ),
-    "--drain-timeout": ("server", "drain_timeout", {"type": float, "help": "seconds SIGTERM waits"}),
+    "--shutdown-timeout": (
+        "server",
+        "drain_timeout",
+        {"type": float, "help": "seconds SIGTERM waits for requests in flight (0: abort them)"},
+    ),
     "--gpu-memory-utilization": ("cache", "gpu_memory_utilization", {"type": float}),
     "--tensor-parallel-size": ("parallel", "tensor_parallel_size", {"type": int}),
     "--compile-mode": ("compile", "mode", {"choices": ["auto", "eager", "compiled", "cudagraph"]}),
+    "--cudagraph-capture-sizes": ("compile", "decode_sizes", {"type": int, "nargs": "+", "metavar": "N"}),
+    "--max-cudagraph-capture-size": ("compile", "max_decode_size", {"type": int}),
     "--deterministic": ("backend", "deterministic", {"action": "store_true", "help": "batch-invariant CUDA"}),
     "--cpu-threads-bind": ("backend", "cpu_threads_bind", {"help": "auto, nobind, or CPUs such as 0-3,8"}),
     "--compile-cache": ("compile", "cache_file", {"metavar": "FILE", "help": "a kiln warmup --export file"}),
@@ -129,4 +179,27 @@ SERVE_FLAGS: dict[str, tuple[str, str, dict]] = {
         {"type": json.loads, "metavar": "JSON", "help": 'e.g. {"enable_thinking": false}'},
     ),
     "--trust-request-chat-template": ("server", "trust_request_chat_template", {"action": "store_true"}),
+    "--enable-server-load-tracking": ("server", "enable_server_load_tracking", {"action": "store_true"}),
+    "--sse-keep-alive-interval": (
+        "server",
+        "sse_keep_alive_interval",
+        {"type": int, "help": "a ': keep-alive' comment after this many idle seconds of a stream"},
+    ),
+    "--root-path": ("server", "root_path", {"help": "the path prefix a routing proxy adds"}),
+    "--uvicorn-log-level": (
+        "server",
+        "uvicorn_log_level",
+        {"choices": ["critical", "error", "warning", "info", "debug", "trace"], "help": "the HTTP server's"},
+    ),
+    "--log-error-stack": ("server", "log_error_stack", {"action": "store_true"}),
+    "--enable-tokenizer-info-endpoint": (
+        "server",
+        "enable_tokenizer_info_endpoint",
+        {"action": "store_true"},
+    ),
+    "--exclude-tools-when-tool-choice-none": (
+        "server",
+        "exclude_tools_when_tool_choice_none",
+        {"action": "store_true"},
+    ),
 }

@@ -4,8 +4,8 @@ from pathlib import Path
 import pytest
 
 from kiln.cli import main
-from kiln.config import ServeConfig
 from kiln.config_file import ConfigError, load_serve_config
+from kiln.server_config import ServeConfig
 
 CONFIGS = Path(__file__).parent.parent / "configs"
 
@@ -173,3 +173,37 @@ def test_vllm_server_flags_parse_as_vllm_writes_them() -> None:
     )
     assert config.model.override_generation_config == {"temperature": 0.5}
     assert s.enable_request_id_headers and s.enable_prompt_tokens_details
+
+
+def test_vllm_capacity_and_sizing_flags() -> None:
+    """vLLM's sizes read as it reads them (1k is 1000, 1K is 1024), each into the key it sets."""
+    from kiln.cli import _load_config, build_parser
+
+    args = build_parser().parse_args(
+        ["serve", "--max-num-queued-reqs", "8", "--max-num-queued-tokens", "25.6k",
+         "--max-num-batched-tokens", "4K", "--kv-cache-memory-bytes", "512M",
+         "--num-gpu-blocks-override", "40", "--shutdown-timeout", "0", "--cudagraph-capture-sizes", "1", "2",
+         "8", "--max-cudagraph-capture-size", "8", "--root-path", "/kiln", "--uvicorn-log-level", "warning",
+         "--sse-keep-alive-interval", "15", "--no-enable-chunked-prefill"]
+    )  # fmt: skip
+    config = _load_config(args)
+    sched, cache, s = config.scheduler, config.cache, config.server
+    assert (sched.max_num_queued_reqs, sched.max_num_queued_tokens) == (8, 25600)
+    assert sched.max_num_batched_tokens == 4096 and not sched.enable_chunked_prefill
+    assert (cache.kv_cache_gib, cache.num_gpu_blocks_override, s.drain_timeout) == (0.5, 40, 0)
+    assert (config.compile.decode_sizes, config.compile.max_decode_size) == ([1, 2, 8], 8)
+    assert (s.root_path, s.uvicorn_log_level, s.sse_keep_alive_interval) == ("/kiln", "warning", 15)
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--max-num-queued-tokens", "1.5K"], "Decimals are not allowed with binary suffixes like K"),
+        (["--kv-cache-memory-bytes", "4GB"], "'4GB' is not a size"),
+        (["--root-path", "kiln"], "server.root_path must start with /"),
+        (["--sse-keep-alive-interval", "-1"], "key 'server.sse_keep_alive_interval': Expected `int` >= 0"),
+    ],
+)
+def test_vllm_flag_values_refused(flags: list[str], message: str, capsys: pytest.CaptureFixture) -> None:
+    assert main(["serve", *flags]) != 0
+    assert message in capsys.readouterr().err

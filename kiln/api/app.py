@@ -28,6 +28,7 @@ from kiln.api.embeddings import create_embedding
 from kiln.api.errors import APIError, as_api_error
 from kiln.api.inputs import Inputs
 from kiln.api.invocations import create_invocation
+from kiln.api.load import ServerLoad
 from kiln.api.middleware import middleware
 from kiln.api.protocol import (
     ChatCompletionRequest,
@@ -44,9 +45,10 @@ from kiln.api.responses_api import create_response
 from kiln.api.responses_protocol import ResponsesRequest
 from kiln.api.scores import create_rerank, create_score
 from kiln.api.tokenize import detokenize, tokenize
-from kiln.config import ServeConfig
+from kiln.api.tokenizer_info import tokenizer_info
 from kiln.engine.async_engine import AsyncEngine
 from kiln.engine.stats_log import log_stats
+from kiln.server_config import ServeConfig
 from kiln.version import VERSION
 
 log = logging.getLogger(__name__)
@@ -91,34 +93,32 @@ class App:
         self.draining = False
         self.stopped = asyncio.Event()  # set when the server should close
         self.exit_code = 0
+        self.load = ServerLoad()
         post, get = ["POST"], ["GET"]
         invoke = functools.partial(create_invocation, check_model=self._check_model)
+        # The requests GET /load counts, as vLLM's load_aware_call: those that run the model.
+        work = [
+            ("/v1/completions", create_completion, CompletionRequest),
+            ("/v1/chat/completions", create_chat_completion, ChatCompletionRequest),
+            ("/v1/responses", create_response, ResponsesRequest),
+            ("/v1/embeddings", create_embedding, EmbeddingRequest),
+            ("/classify", create_classification, ClassificationRequest),
+            *((p, create_score, ScoreRequest) for p in ("/score", "/v1/score")),
+            *((p, create_rerank, RerankRequest) for p in ("/rerank", "/v1/rerank", "/v2/rerank")),
+        ]
+        info = [("/tokenizer_info", tokenizer_info)] if config.server.enable_tokenizer_info_endpoint else []
         self.starlette = Starlette(
             routes=[
-                Route("/v1/completions", self._api(create_completion, CompletionRequest), methods=post),
-                Route(
-                    "/v1/chat/completions",
-                    self._api(create_chat_completion, ChatCompletionRequest),
-                    methods=post,
-                ),
-                Route("/v1/responses", self._api(create_response, ResponsesRequest), methods=post),
-                Route("/v1/embeddings", self._api(create_embedding, EmbeddingRequest), methods=post),
-                Route("/classify", self._api(create_classification, ClassificationRequest), methods=post),
-                *(
-                    Route(p, self._api(create_score, ScoreRequest), methods=post)
-                    for p in ("/score", "/v1/score")
-                ),
-                *(
-                    Route(p, self._api(create_rerank, RerankRequest), methods=post)
-                    for p in ("/rerank", "/v1/rerank", "/v2/rerank")
-                ),
-                Route("/v1/models", self._api(self._models), methods=get),
-                Route("/tokenize", self._api(tokenize, TokenizeRequest), methods=post),
-                Route("/detokenize", self._api(detokenize, DetokenizeRequest), methods=post),
+                *(Route(p, self._api(p, h, kind, counted=True), methods=post) for p, h, kind in work),
+                Route("/v1/models", self._api("/v1/models", self._models), methods=get),
+                Route("/tokenize", self._api("/tokenize", tokenize, TokenizeRequest), methods=post),
+                Route("/detokenize", self._api("/detokenize", detokenize, DetokenizeRequest), methods=post),
+                *(Route(p, self._api(p, h), methods=get) for p, h in info),
                 Route("/health", self._health, methods=get),
                 Route("/ping", self._health, methods=["GET", "POST"]),  # SageMaker's, as vLLM
-                Route("/invocations", self._api(invoke, msgspec.Raw), methods=post),
+                Route("/invocations", self._api("/invocations", invoke, msgspec.Raw), methods=post),
                 Route("/metrics", self._metrics, methods=get),
+                Route("/load", self.load.endpoint, methods=get),
                 Route("/version", self._version, methods=get),
             ],
             exception_handlers={HTTPException: self._http_error},
@@ -251,10 +251,16 @@ class App:
         if name and name not in self.model_names:
             raise APIError(404, f"The model `{name}` does not exist.", "model")
 
-    def _api(self, handler: Handler, kind: type | None = None) -> Callable[[Request], Awaitable[Response]]:
+    def _api(
+        self, path: str, handler: Handler, kind: type | None = None, counted: bool = False
+    ) -> Callable[[Request], Awaitable[Response]]:
+        guarded = path.startswith("/v1/") or path == "/invocations"
+        if counted and self.config.server.enable_server_load_tracking:
+            return self.load.counted(self._api(path, handler, kind))
+
         async def endpoint(request: Request) -> Response:
             try:
-                if request.url.path.startswith("/v1/") or request.url.path == "/invocations":
+                if guarded:
                     self._authorize(request)
                 engine, shared = self._ready()
                 data = await self._body(request) if kind is not None else b""
@@ -263,7 +269,10 @@ class App:
                 self._check_model(body)
                 result = await handler(engine, inputs, request, body)
             except Exception as e:
-                return as_api_error(e).response()
+                error = as_api_error(e)
+                if self.config.server.log_error_stack:
+                    log.error("%s %s: %d %s", request.method, path, error.status, error.message, exc_info=e)
+                return error.response()
             if isinstance(result, Response):
                 return result
             if result is None:  # the client went away; nobody reads this

@@ -54,7 +54,9 @@ async def create_chat_completion(
 ) -> ChatCompletionResponse | Response | None:
     generating(engine, "Chat Completions")
     reply = await chat(engine, inputs, request, body, inputs.limits.enable_prompt_tokens_details)
-    return reply if reply is None or isinstance(reply, ChatCompletionResponse) else sse(reply)
+    if reply is None or isinstance(reply, ChatCompletionResponse):
+        return reply
+    return sse(reply, inputs.limits.sse_keep_alive_interval)
 
 
 async def chat(
@@ -82,8 +84,9 @@ async def chat(
     if auto == "mistral":  # its calls follow a special token, which the text must keep (as vLLM does)
         body = msgspec.structs.replace(body, skip_special_tokens=False)
     so = await constraint(engine, inputs, body, call_schema)
-    # As vLLM: tool_choice "none" keeps the tools out of the prompt too.
-    tools = body.tools if calls or auto else None
+    # As vLLM, the template shows the tools even under tool_choice "none", unless the server says not to.
+    hidden = body.tool_choice == "none" and server.exclude_tools_when_tool_choice_none
+    tools = None if hidden else body.tools
     ids = await inputs.chat_ids(body, tools)
     # As vLLM: the reply's role is the server's (--response-role) where a generation prompt opens a new
     # message, else the last message's; echo starts the reply with that message where it has the role.

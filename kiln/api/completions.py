@@ -82,7 +82,10 @@ async def create_completion(
             outputs = logged(inputs.limits, rid, len(prompts), merged(streams))
             outputs = every(outputs, stream_interval(body, inputs.limits.stream_interval))
             outputs = _without_completions(outputs) if prompt_only else outputs
-            return stream_response(outputs, body.n, chunks, usage_chunk, usage_asked(body, cached))
+            asked = usage_asked(body, cached)
+            return stream_response(
+                outputs, body.n, chunks, usage_chunk, asked, inputs.limits.sse_keep_alive_interval
+            )
         finals = await final_outputs(request, streams)
     if finals is None:
         return None

@@ -15,7 +15,7 @@ from kiln.api.protocol import (
     _PooledInputRequest,
     _SamplingRequest,
 )
-from kiln.config import ServerConfig
+from kiln.server_config import ServerConfig
 
 
 def with_defaults(body: Any, server: ServerConfig) -> Any:

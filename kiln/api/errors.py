@@ -11,6 +11,7 @@ from starlette.responses import Response
 
 from kiln.api.responses import ErrorInfo, ErrorResponse
 from kiln.engine.async_engine import EngineDeadError
+from kiln.engine.queue_limits import Overloaded
 from kiln.pooling_params import PoolingParams
 from kiln.sampling_params import SamplingParams
 
@@ -76,7 +77,7 @@ def as_api_error(error: BaseException) -> APIError:
     """Any exception as the error a client sees. Only an unexpected one is logged with its traceback."""
     if isinstance(error, APIError):
         return error
-    if isinstance(error, EngineDeadError):
+    if isinstance(error, (EngineDeadError, Overloaded)):
         return APIError(503, str(error))
     if isinstance(error, ValueError):
         return bad_request(error)

@@ -19,10 +19,10 @@ import msgspec
 from kiln.api.defaults import with_defaults
 from kiln.api.errors import APIError
 from kiln.api.protocol import ChatMessage, ChatRender, CompletionRequest, Tool, _SamplingRequest
-from kiln.config import ServerConfig
 from kiln.engine.bad_words import MAX_BAD_WORDS
 from kiln.engine.chat_template import render_chat
 from kiln.sampling_params import truncate_prompt
+from kiln.server_config import ServerConfig
 
 T = TypeVar("T")
 

@@ -9,7 +9,7 @@ from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from kiln.config import ServerConfig
+from kiln.server_config import ServerConfig
 
 
 def middleware(server: ServerConfig) -> list[Middleware]:

@@ -9,10 +9,10 @@ import logging
 from collections.abc import AsyncIterator, Sequence
 
 from kiln.api.inputs import Inputs
-from kiln.config import ServerConfig
 from kiln.engine.output import RequestOutput, merge
 from kiln.pooling_params import PoolingParams
 from kiln.sampling_params import SamplingParams
+from kiln.server_config import ServerConfig
 
 log = logging.getLogger(__name__)
 

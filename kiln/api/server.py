@@ -12,7 +12,7 @@ from hypercorn.asyncio import serve as hypercorn_serve
 from hypercorn.config import Config as HypercornConfig
 
 from kiln.api.app import App
-from kiln.config import ServeConfig
+from kiln.server_config import ServeConfig
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +61,12 @@ async def serve(
     if s.disable_access_log_for_endpoints and hc.accesslog is not None:
         hc.accesslog.addFilter(_Unlogged(s.disable_access_log_for_endpoints))
     hc.errorlog = logging.getLogger("hypercorn.error")
+    if s.uvicorn_log_level is not None:  # uvicorn's trace is below DEBUG
+        level = 5 if s.uvicorn_log_level == "trace" else logging.getLevelName(s.uvicorn_log_level.upper())
+        for logger in (hc.errorlog, hc.accesslog):
+            if isinstance(logger, logging.Logger):
+                logger.setLevel(level)
+    hc.root_path = s.root_path or ""  # Starlette then routes both /prefix/v1/... and /v1/...
     hc.access_log_format = '%(h)s "%(r)s" %(s)s %(b)s %(L)ss'
     await hypercorn_serve(app.starlette, hc, shutdown_trigger=app.stopped.wait)  # type: ignore[arg-type]
     log.info("kiln stopped")

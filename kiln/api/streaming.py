@@ -3,6 +3,7 @@ usage both report, streamed or whole."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass
@@ -81,9 +82,10 @@ def stream_response(
     chunks: Callable[[list[ChoiceDelta]], list[Any]],
     usage_chunk: Callable[..., msgspec.Struct],
     asked: UsageAsked,
+    keep_alive: int,
 ) -> StreamingResponse:
     """What both endpoints stream: their chunks (`events`) as server-sent events."""
-    return sse(events(outputs, n, chunks, usage_chunk, asked))
+    return sse(events(outputs, n, chunks, usage_chunk, asked), keep_alive)
 
 
 async def events(
@@ -128,8 +130,12 @@ def usage(outputs: list[RequestOutput], cached: bool) -> Usage:
     return _usage(outputs, sum(len(c.token_ids) for o in outputs for c in o.outputs), cached)
 
 
-def sse(events: AsyncIterator[msgspec.Struct]) -> StreamingResponse:
-    """Server-sent events ending in `data: [DONE]`; an error mid-stream becomes an error event first."""
+KEEP_ALIVE = b": keep-alive\n\n"
+
+
+def sse(events: AsyncIterator[msgspec.Struct], keep_alive: int = 0) -> StreamingResponse:
+    """Server-sent events ending in `data: [DONE]`; an error mid-stream becomes an error event first.
+    keep_alive: seconds without an event after which a comment goes (0: none)."""
 
     async def body() -> AsyncIterator[bytes]:
         try:
@@ -139,4 +145,27 @@ def sse(events: AsyncIterator[msgspec.Struct]) -> StreamingResponse:
             yield b"data: " + _encoder.encode(as_api_error(e).body()) + b"\n\n"
         yield b"data: [DONE]\n\n"
 
-    return StreamingResponse(body(), media_type="text/event-stream")
+    chunks = body() if keep_alive == 0 else _kept_alive(body(), keep_alive)
+    return StreamingResponse(chunks, media_type="text/event-stream")
+
+
+async def _kept_alive(chunks: AsyncIterator[bytes], interval: float) -> AsyncIterator[bytes]:
+    """vLLM's --sse-keep-alive-interval: KEEP_ALIVE after every `interval` seconds without a chunk, so
+    a proxy with a read timeout keeps a queued or slow stream open."""
+    pending = asyncio.ensure_future(anext(chunks))
+    try:
+        while True:
+            done, _ = await asyncio.wait({pending}, timeout=interval)
+            if not done:
+                yield KEEP_ALIVE
+                continue
+            try:
+                chunk = pending.result()
+            except StopAsyncIteration:
+                return
+            yield chunk
+            pending = asyncio.ensure_future(anext(chunks))
+    finally:
+        pending.cancel()
+        await asyncio.gather(pending, return_exceptions=True)
+        await chunks.aclose()  # type: ignore[attr-defined]

@@ -29,7 +29,13 @@ class BucketPlan:
         # the step buffers hold that many rows, and a larger bucket's warmup (a CUDA graph's capture) would
         # overrun them.
         max_decode = min(config.scheduler.max_num_seqs, max_tokens)
-        decode = config.compile.decode_sizes or default_decode_sizes(max_decode)
+        c = config.compile
+        if c.decode_sizes and c.max_decode_size is not None and c.max_decode_size != max(c.decode_sizes):
+            raise ValueError(
+                f"compile.max_decode_size ({c.max_decode_size}) should be the largest of "
+                f"compile.decode_sizes ({max(c.decode_sizes)})"
+            )
+        decode = c.decode_sizes or default_decode_sizes(min(max_decode, c.max_decode_size or MAX_GRAPH_BATCH))
         tokens = config.compile.token_sizes or default_token_sizes(max_tokens)
         for key, sizes, limit, what in (
             ("decode_sizes", decode, max_decode, "min(max_num_seqs, max_num_batched_tokens)"),
@@ -57,9 +63,8 @@ class BucketPlan:
 MAX_GRAPH_BATCH = 512
 
 
-def default_decode_sizes(max_num_seqs: int) -> list[int]:
-    """vLLM's CUDA-graph batch sizes: 1, 2, 4, steps of 8 to 256, then of 16, up to max_num_seqs or 512."""
-    top = min(max_num_seqs, MAX_GRAPH_BATCH)
+def default_decode_sizes(top: int) -> list[int]:
+    """vLLM's CUDA-graph batch sizes: 1, 2, 4, steps of 8 to 256, then of 16, up to top."""
     sizes = [s for s in (1, 2, 4) if s < top] + list(range(8, min(top, 256) + 1, 8))
     sizes += range(272, top + 1, 16)
     if not sizes or sizes[-1] != top:

@@ -21,6 +21,7 @@ from kiln.engine.engine import LLMEngine
 from kiln.engine.metrics import Metrics
 from kiln.engine.output import RequestOutput, merge
 from kiln.engine.pooler import Pooler
+from kiln.engine.queue_limits import Overloaded, QueueLimits
 from kiln.engine.tokenizer import load_tokenizer
 from kiln.pooling_params import PoolingParams
 from kiln.sampling_params import SamplingParams, StructuredOutputsParams
@@ -64,6 +65,8 @@ class RequestStream:
     last_token_at: float = 0.0
     num_tokens: int = 0
     finished: bool = False
+    seqs: int = 1  # sequences it runs (n), for scheduler.max_num_queued_reqs
+    prefill_tokens: int = 0  # prompt tokens x n until its first output, for max_num_queued_tokens
 
     def __aiter__(self) -> RequestStream:
         return self
@@ -111,6 +114,7 @@ class AsyncEngine:
         self._built: asyncio.Future[LLMEngine] = self._loop.create_future()
         self._commands: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._streams: dict[str, RequestStream] = {}
+        self._queue = QueueLimits(config.scheduler)
         self._thread = threading.Thread(target=self._run, args=(config,), name="kiln-engine", daemon=True)
         self._thread.start()
 
@@ -154,17 +158,34 @@ class AsyncEngine:
         admission.check_options(priority, cache_salt)
         bad_words = admission.check_params(params)
         admission.check_prompt(prompt_ids, isinstance(params, PoolingParams))
-        stream = RequestStream(request_id, self, params)
+        seqs = params.n if isinstance(params, SamplingParams) else 1
+        try:
+            self._queue.join(seqs, len(prompt_ids) * seqs)
+        except Overloaded as e:
+            self.metrics.rejected(e.reason)
+            raise
+        stream = RequestStream(request_id, self, params, seqs=seqs, prefill_tokens=len(prompt_ids) * seqs)
         self._streams[request_id] = stream
         self._commands.put(_Add(request_id, prompt_ids, params, priority, cache_salt, bad_words))
         return stream
+
+    def _untrack(self, request_id: str) -> RequestStream | None:
+        stream = self._streams.pop(request_id, None)
+        if stream is not None:
+            self._queue.leave(stream.seqs)
+            self._prefilled(stream)
+        return stream
+
+    def _prefilled(self, stream: RequestStream) -> None:
+        self._queue.prefilled(stream.prefill_tokens)
+        stream.prefill_tokens = 0
 
     def check_constraint(self, params: StructuredOutputsParams) -> None:
         """Parses a constraint (thread-safe, cached): ValueError if it is bad."""
         self.engine.grammars.check(params)
 
     def abort(self, request_id: str) -> None:
-        if self._streams.pop(request_id, None) is not None:
+        if self._untrack(request_id) is not None:
             self.metrics.finished("abort")
             self._commands.put(_Abort(request_id))
 
@@ -235,6 +256,7 @@ class AsyncEngine:
             stream = self._streams.get(out.request_id)
             if stream is None:  # aborted while the step ran
                 continue
+            self._prefilled(stream)
             new_tokens = sum(len(o.token_ids) for o in out.outputs)
             if out.embedding is not None:
                 m.prompt_tokens.inc(len(out.prompt_token_ids))
@@ -252,7 +274,7 @@ class AsyncEngine:
                 if o.finished:
                     m.finished(o.finish_reason or "abort")
             if out.finished:
-                del self._streams[out.request_id]
+                self._untrack(out.request_id)
                 m.e2e.observe(now - stream.arrival)
                 self._observe_request(stream, out, now)
             stream.queue.put_nowait(out)
@@ -275,7 +297,7 @@ class AsyncEngine:
                 m.max_tokens.observe(p.max_tokens)
 
     def _fail(self, request_id: str, error: BaseException) -> None:
-        stream = self._streams.pop(request_id, None)
+        stream = self._untrack(request_id)
         if stream is not None:
             stream.queue.put_nowait(error)
 
@@ -284,3 +306,4 @@ class AsyncEngine:
         for stream in self._streams.values():
             stream.queue.put_nowait(EngineDeadError(f"the engine has died: {error!r}"))
         self._streams.clear()
+        self._queue.clear()

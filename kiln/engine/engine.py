@@ -48,17 +48,11 @@ class LLMEngine:
         clock = time.perf_counter()
         path = resolve_model(config.model.model)
         device = resolve_device(config.model.device)
-        if device.type == "cuda":
-            # Streams, events and Triton's launches follow the thread's current device: on cuda:1 they would
-            # otherwise run on cuda:0, and an event that means "step N's tokens landed" would not.
-            if device.index is not None:
-                torch.cuda.set_device(device)
-            gpu = torch.cuda.get_device_properties(device)
-            scheduler = config.scheduler.on("cuda", gpu.total_memory, gpu.name)
-        else:
-            scheduler = config.scheduler.on(device.type)
-        config = msgspec.structs.replace(config, cache=config.cache.on(device.type), scheduler=scheduler)
-        self.config = config
+        # Streams, events and Triton's launches follow the thread's current device: on cuda:1 they would
+        # otherwise run on cuda:0, and an event that means "step N's tokens landed" would not.
+        if device.type == "cuda" and device.index is not None:
+            torch.cuda.set_device(device)
+        config = msgspec.structs.replace(config, cache=config.cache.on(device.type))
         point_caches(cache_root())
         b = config.backend
         # Pinned once warm (Inductor's compile workers, started by this thread, keep every core); the
@@ -73,6 +67,13 @@ class LLMEngine:
                 f"max_model_len {self.max_model_len} exceeds the model's max_position_embeddings "
                 f"{dims.max_positions}"
             )
+        if device.type == "cuda":
+            gpu = torch.cuda.get_device_properties(device)
+            scheduler = config.scheduler.on("cuda", gpu.total_memory, gpu.name, self.max_model_len)
+        else:
+            scheduler = config.scheduler.on(device.type, max_model_len=self.max_model_len)
+        config = msgspec.structs.replace(config, scheduler=scheduler)
+        self.config = config
         # The kernels' part: choosing the backend loads kiln_cpu (built on first use), making the attention
         # builds FlashInfer's modules (or finds them built, in the cache root or an imported export).
         start = time.perf_counter()

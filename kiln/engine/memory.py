@@ -1,6 +1,7 @@
 """How big the KV cache is: cache.kv_cache_gib where set; on a GPU otherwise as vLLM sizes it, what the
 weights, the peak of the largest step, the CUDA-graph pool, the penalties' rows and everything outside torch
-leave of gpu_memory_utilization x the device's memory; on a CPU otherwise 1 GiB."""
+leave of gpu_memory_utilization x the device's memory; on a CPU otherwise 1 GiB. cache.num_gpu_blocks_override
+wins over all of them."""
 
 from __future__ import annotations
 
@@ -127,6 +128,9 @@ def kv_cache_blocks(
         source = f"cache.gpu_memory_utilization={utilization}"
         timings["memory profile"] = time.perf_counter() - clock
     num_blocks = kv_bytes // block_bytes - 1  # one is the padding block
+    if (override := c.num_gpu_blocks_override) is not None:
+        log.info("overriding %d KV blocks with cache.num_gpu_blocks_override=%d", num_blocks, override)
+        num_blocks, source = override, f"cache.num_gpu_blocks_override={override}"
     if num_blocks * c.block_size < max_model_len:
         raise ValueError(
             f"{source} leaves a KV cache of {max(0, num_blocks) * c.block_size} tokens, fewer than "

@@ -108,7 +108,14 @@ class Metrics:
         self.output_len = per_request("generation_tokens", "Tokens a request generated.", tokens)
         self.n = per_request("params_n", "A request's n.", N_BUCKETS)
         self.max_tokens = per_request("params_max_tokens", "A request's max_tokens.", tokens)
+        # vLLM's: requests refused by the scheduler's queue limits (a 503), by the limit; both start at 0.
+        self._rejected = counter("admission_rejections", "Requests over a queue limit.", ("reason",))
+        for reason in ("max_num_queued_reqs", "max_num_queued_tokens"):
+            self._rejected.labels(model_name, reason)
         self.model_name = model_name
+
+    def rejected(self, reason: str) -> None:
+        self._rejected.labels(self.model_name, reason).inc()
 
     def finished(self, reason: str) -> None:
         self._success.labels(self.model_name, reason).inc()

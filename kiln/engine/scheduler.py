@@ -39,6 +39,7 @@ class Scheduler:
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.chunk = chunk
+        self.chunked = config.enable_chunked_prefill
         self.block_manager = block_manager
         self.waiting: deque[Request] = deque()  # in rank order
         self.running: list[Request] = []  # in admission order
@@ -104,11 +105,15 @@ class Scheduler:
                 continue
             if req.num_computed_tokens == 0 and (req.pooling is None or req.pooling.reads_cache):
                 req.num_computed_tokens = self.block_manager.match_prefix(req)
-            num_new = min(req.num_tokens - req.num_computed_tokens, self.chunk, budget)
-            if not self.block_manager.allocate(req, req.num_computed_tokens + num_new):
+            num_new = min(req.num_tokens - req.num_computed_tokens, self.chunk)
+            # Unchunked, as vLLM: the prompt whole (or its threshold's part) or, this step, nothing more.
+            if (num_new > budget and not self.chunked) or not self.block_manager.allocate(
+                req, req.num_computed_tokens + min(num_new, budget)
+            ):
                 self.block_manager.free_request(req)
                 req.num_computed_tokens = 0
                 break
+            num_new = min(num_new, budget)
             self.waiting.popleft()
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = req.num_computed_tokens

@@ -110,3 +110,14 @@ def test_an_untrusted_request_template_is_refused(tiny_server: Server) -> None:
     r = post(tiny_server, "/v1/chat/completions", json={"messages": HI, "chat_template": TEMPLATE})
     message = expect_error(r, 400, "BadRequestError", "chat_template")
     assert "--trust-request-chat-template is not set" in message
+
+
+def test_tool_choice_none_shows_the_tools_by_default(flagged: Server, trust: ssl.SSLContext) -> None:
+    """As vLLM: tool_choice "none" keeps the tools in the prompt unless the server runs with
+    --exclude-tools-when-tool-choice-none (test_serve_ops)."""
+    shows = "{% if tools %}{{ tools | length }} tools. {% endif %}{{ messages[0].content }}"
+    body = {"messages": HI, "max_tokens": 1, "chat_template": shows}
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    none = call(flagged, trust, "/v1/chat/completions", {**body, "tools": [tool], "tool_choice": "none"})
+    shown = call(flagged, trust, "/tokenize", {"prompt": "1 tools. hello", "add_special_tokens": False})
+    assert none.json()["usage"]["prompt_tokens"] == shown.json()["count"]

@@ -9,8 +9,14 @@ def test_default_decode_sizes() -> None:
     assert default_decode_sizes(20) == [1, 2, 4, 8, 16, 20]
     assert default_decode_sizes(8) == [1, 2, 4, 8]
     assert default_decode_sizes(1) == [1]
-    # vLLM's CUDA-graph sizes past 256: steps of 16, none above 512.
-    assert default_decode_sizes(1024) == [1, 2, 4, *range(8, 257, 8), *range(272, 513, 16)]
+    # vLLM's CUDA-graph sizes past 256: steps of 16, none above 512 unless compile.max_decode_size says.
+    assert default_decode_sizes(512) == [1, 2, 4, *range(8, 257, 8), *range(272, 513, 16)]
+    many = {"max_num_seqs": 1024, "max_num_batched_tokens": 8192}
+    assert BucketPlan.from_config(EngineConfig.from_options(**many)).decode_sizes[-1] == 512
+    more = EngineConfig.from_options(**many, max_decode_size=1024)
+    assert BucketPlan.from_config(more).decode_sizes[-3:] == (992, 1008, 1024)
+    fewer = EngineConfig.from_options(**many, max_decode_size=100)
+    assert BucketPlan.from_config(fewer).decode_sizes[-2:] == (96, 100)
     assert default_decode_sizes(300) == [1, 2, 4, *range(8, 257, 8), 272, 288, 300]
 
 
@@ -57,6 +63,10 @@ def test_buckets_fit_the_steps_the_scheduler_makes() -> None:
             r"compile.decode_sizes \[128\] exceed .*, 64",
         ),
         ({"max_num_batched_tokens": 64, "token_sizes": [32, 128]}, r"compile.token_sizes \[128\] exceed"),
+        (  # vLLM's --max-cudagraph-capture-size beside --cudagraph-capture-sizes
+            {"decode_sizes": [1, 8, 16], "max_decode_size": 32},
+            r"compile.max_decode_size \(32\) should be the largest of compile.decode_sizes \(16\)",
+        ),
     ]:
         config = EngineConfig.from_options(**{"max_num_seqs": 256, "max_num_batched_tokens": 2048, **options})
         with pytest.raises(ValueError, match=says):

@@ -79,7 +79,7 @@ def tight(default_model_dir: Path) -> LLM:
         dtype="float32",
         max_model_len=MAX_MODEL_LEN,
         block_size=16,
-        kv_cache_gib=0.0172,  # 25 blocks, one of them the padding block
+        num_gpu_blocks_override=24,
         max_num_batched_tokens=64,
         async_scheduling=True,
     )
@@ -370,6 +370,14 @@ def test_priority_orders_the_queue(default_model_dir: Path) -> None:
     assert finished == ["urgent", "later", "later-2", "low"]
     outs = llm.generate(["Hi", "Hello"], params, use_tqdm=False, priority=[2, 1])
     assert [o.prompt for o in outs] == ["Hi", "Hello"]  # outputs keep the prompts' order
+
+
+def test_too_few_kv_blocks_for_max_model_len(default_model_dir: Path) -> None:
+    """vLLM's num_gpu_blocks_override wins over the memory settings, but must still hold one request."""
+    with pytest.raises(
+        ValueError, match="num_gpu_blocks_override=15 leaves a KV cache of 240 tokens, fewer than "
+    ):
+        LLM(str(default_model_dir), block_size=16, num_gpu_blocks_override=15, **ROOMY)
 
 
 def test_chat_shows_the_tools_to_the_template(roomy: LLM) -> None:

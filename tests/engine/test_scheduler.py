@@ -37,8 +37,13 @@ def make_scheduler(
     max_num_seqs: int = 16,
     caching: bool = True,
     chunk: int = 0,  # the most tokens a request prefills in a step; 0: the step budget
+    chunked: bool = True,
 ) -> Scheduler:
-    config = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
+    config = SchedulerConfig(
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
+        enable_chunked_prefill=chunked,
+    )
     return Scheduler(config, BlockManager(num_blocks, BS, caching), chunk or max_num_batched_tokens)
 
 
@@ -159,6 +164,33 @@ def test_default_chunk_is_128_on_the_cpu_and_the_budget_on_a_gpu() -> None:
     assert h100.prefill_chunk("cuda") == 8192
     assert SchedulerConfig(long_prefill_token_threshold=0).on("cpu").prefill_chunk("cpu") == 2048
     assert SchedulerConfig(long_prefill_token_threshold=100).on("cuda").prefill_chunk("cuda") == 100
+
+
+def test_without_chunked_prefill_a_prompt_waits_for_room_for_all_of_it() -> None:
+    """vLLM's --no-enable-chunked-prefill: a prompt that does not fit what the step has left waits (and
+    those behind it with it), rather than starting with a part."""
+    sched = make_scheduler(max_num_batched_tokens=16, chunked=False)
+    for rid, n in [("a", 10), ("b", 10), ("c", 2)]:
+        sched.add(make_request(rid, n, max_tokens=4))
+    assert scheduled(step(sched)) == [("a", 10)]  # b's 10 do not fit the 6 left, and c waits behind it
+    assert scheduled(step(sched)) == [("a", 1), ("b", 10), ("c", 2)]
+    chunked = make_scheduler(max_num_batched_tokens=16)
+    for rid, n in [("a", 10), ("b", 10)]:
+        chunked.add(make_request(rid, n, max_tokens=4))
+    assert scheduled(step(chunked)) == [("a", 10), ("b", 6)]
+
+
+def test_without_chunked_prefill_the_step_holds_max_model_len() -> None:
+    whole = SchedulerConfig(enable_chunked_prefill=False)
+    assert whole.on("cpu", max_model_len=8192).max_num_batched_tokens == 8192
+    assert whole.on("cpu", max_model_len=8192).prefill_chunk("cpu") == 8192  # no threshold unless set
+    assert whole.on("cpu", max_model_len=512).max_num_batched_tokens == 2048
+    with pytest.raises(
+        ValueError, match=r"max_num_batched_tokens \(1024\) is smaller than max_model_len \(4096\)"
+    ):
+        SchedulerConfig(enable_chunked_prefill=False, max_num_batched_tokens=1024).on(
+            "cpu", max_model_len=4096
+        )
 
 
 def test_max_num_seqs_limits_running_requests() -> None:
