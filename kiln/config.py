@@ -7,6 +7,8 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import Meta
 
+LogprobsMode = Literal["raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits"]
+
 
 class _Section(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     pass
@@ -47,6 +49,10 @@ class ModelConfig(_Section):
     runner: Literal["auto", "generate", "pooling"] = "auto"
     convert: Literal["auto", "none", "embed"] = "auto"  # vLLM's --convert: embed serves a causal LM pooled
     pooler_config: PoolerConfig | None = None
+    # vLLM's --logprobs-mode: raw_* the model's own (a grammar's mask applied), processed_* after penalties,
+    # bias, bans, temperature, min-p, top-k and top-p (what the draw saw, -inf where cut); *_logits the
+    # values before log-softmax. Prompt logprobs: raw or processed alike.
+    logprobs_mode: LogprobsMode = "raw_logprobs"
 
 
 class CacheConfig(_Section):

@@ -120,6 +120,11 @@ SERVE_FLAGS: dict[str, tuple[str, str, dict]] = {
         "tool_call_parser",
         {"choices": ["hermes", "llama3_json", "mistral", "qwen3_coder", "pythonic"]},
     ),
+    "--logprobs-mode": (
+        "model",
+        "logprobs_mode",
+        {"choices": ["raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits"]},
+    ),
     "--reasoning-parser": ("model", "reasoning_parser", {"choices": ["deepseek_r1", "qwen3"]}),
     "--runner": (
         "model",

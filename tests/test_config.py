@@ -184,7 +184,8 @@ def test_vllm_capacity_and_sizing_flags() -> None:
          "--max-num-batched-tokens", "4K", "--kv-cache-memory-bytes", "512M",
          "--num-gpu-blocks-override", "40", "--shutdown-timeout", "0", "--cudagraph-capture-sizes", "1", "2",
          "8", "--max-cudagraph-capture-size", "8", "--root-path", "/kiln", "--uvicorn-log-level", "warning",
-         "--sse-keep-alive-interval", "15", "--no-enable-chunked-prefill"]
+         "--sse-keep-alive-interval", "15", "--no-enable-chunked-prefill", "--logprobs-mode",
+         "processed_logits"]
     )  # fmt: skip
     config = _load_config(args)
     sched, cache, s = config.scheduler, config.cache, config.server
@@ -193,6 +194,7 @@ def test_vllm_capacity_and_sizing_flags() -> None:
     assert (cache.kv_cache_gib, cache.num_gpu_blocks_override, s.drain_timeout) == (0.5, 40, 0)
     assert (config.compile.decode_sizes, config.compile.max_decode_size) == ([1, 2, 8], 8)
     assert (s.root_path, s.uvicorn_log_level, s.sse_keep_alive_interval) == ("/kiln", "warning", 15)
+    assert config.model.logprobs_mode == "processed_logits"
 
 
 @pytest.mark.parametrize(

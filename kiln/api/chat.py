@@ -30,6 +30,7 @@ from kiln.api.responses import (
     TopLogprob,
 )
 from kiln.api.serving import (
+    api_logprob,
     constraint,
     final_outputs,
     generating,
@@ -176,11 +177,11 @@ def chat_logprobs(
     for token, entry in zip(ids, positions, strict=True):
         chosen = token_text(token, entry[token].decoded_token, as_ids)
         top = sorted(((t, lp) for t, lp in entry.items() if lp.rank <= k), key=lambda e: e[1].rank)[:k]
-        named = [(token_text(t, lp.decoded_token, as_ids), lp.logprob) for t, lp in top]
+        named = [(token_text(t, lp.decoded_token, as_ids), api_logprob(lp.logprob)) for t, lp in top]
         content.append(
             TokenLogprob(
                 chosen,
-                entry[token].logprob,
+                api_logprob(entry[token].logprob),
                 list(chosen.encode()),
                 [TopLogprob(text, logprob, list(text.encode())) for text, logprob in named],
             )

@@ -18,6 +18,7 @@ from kiln.api.protocol import CompletionRequest
 from kiln.api.request_log import log_outputs, log_requests, logged
 from kiln.api.responses import CompletionChoice, CompletionLogprobs, CompletionResponse
 from kiln.api.serving import (
+    api_logprob,
     constraint,
     final_outputs,
     generating,
@@ -170,10 +171,10 @@ def completion_logprobs(
         chosen = entry[token]
         word = token_text(token, chosen.decoded_token, as_ids)
         out.tokens.append(word)
-        out.token_logprobs.append(chosen.logprob)
+        out.token_logprobs.append(api_logprob(chosen.logprob))
         out.top_logprobs.append(
             {
-                token_text(t, lp.decoded_token, as_ids): lp.logprob
+                token_text(t, lp.decoded_token, as_ids): api_logprob(lp.logprob)
                 for t, lp in entry.items()
                 if lp.rank <= k or lp is chosen
             }

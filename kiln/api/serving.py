@@ -248,6 +248,12 @@ def prompt_logprobs(out: RequestOutput, k: int | None) -> list[PositionLogprobs 
     ]
 
 
+def api_logprob(value: float) -> float:
+    """vLLM's: a token filtered out (-inf: a grammar's mask, a processed logprobs mode's cut) as -9999.0,
+    which JSON can carry."""
+    return max(value, -9999.0)
+
+
 def token_text(token_id: int, text: str, as_ids: bool) -> str:
     """A logprob's token as a response names it: its text, or vLLM's "token_id:{id}"
     (return_tokens_as_token_ids, for tokens whose text is not valid UTF-8 alone)."""

@@ -98,7 +98,7 @@ class DummySteps:
     def _throwaway_sampler(self) -> Sampler:
         """The engine's sampler on its own generator: the engine's stream of draws is left as it was."""
         s, generator = self.runner.sampler, torch.Generator(device=self.runner.device).manual_seed(0)
-        return Sampler(generator, s.prepare, s.draw, s.mask, s.argmax)
+        return Sampler(generator, s.prepare, s.draw, s.mask, s.argmax, s.logprobs_mode)
 
     @torch.inference_mode()
     def warm_sampler(self) -> None:

@@ -62,7 +62,7 @@ class ModelRunner:
         stand_in = torch.zeros((self.max_num_seqs + 1, 2), dtype=torch.int32, device=self.device)
         self.no_table = None if model.attention.reads_block_table else stand_in
         generator = torch.Generator(device=self.device).manual_seed(config.model.seed)
-        self.sampler = Sampler(generator, *backend.sampler_ops())
+        self.sampler = Sampler(generator, *backend.sampler_ops(), logprobs_mode=config.model.logprobs_mode)
         self.token_counts = TokenCounts(model.dims.vocab_size, self.device, self.max_num_seqs)
         # The last step's sampled tokens, on the device, and each sampled request's row in them: a request
         # whose token is still pending (async scheduling) reads it from there.
@@ -230,6 +230,8 @@ class ModelRunner:
                 continue
             targets = to_device(r.token_ids[start + 1 : end + 1], torch.int64, self.device)
             rows = hidden[cu[i] : cu[i] + end - start]
-            logprobs = logprobs_in_chunks(self.model.compute_logits, rows, targets, k, self.max_num_seqs)
+            logprobs = logprobs_in_chunks(
+                self.model.compute_logits, rows, targets, k, self.max_num_seqs, self.sampler.as_logits
+            )
             out[r] = PromptLogprobs(start, *logprobs)
         return out

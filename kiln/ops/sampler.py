@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kiln.config import LogprobsMode
 from kiln.ops.sampling_metadata import SamplingMetadata
 from kiln.ops.transfer import to_device
 
@@ -36,7 +37,7 @@ class Sampler:
     """prepare: penalties, bias and temperature (prepare_logits or its Triton kernel); draw: min-p, top-k,
     top-p and the random draw (draw below, or FlashInfer's sort-free kernels); mask: a grammar's token
     bitmask (xgrammar's kernel, or kiln's on the CPU); argmax: greedy rows' exact argmax (torch's, or kiln's
-    on the CPU)."""
+    on the CPU); logprobs_mode: what logprobs report."""
 
     def __init__(
         self,
@@ -45,12 +46,15 @@ class Sampler:
         draw: Draw | None = None,
         mask: Mask | None = None,
         argmax: Argmax = argmax,
+        logprobs_mode: LogprobsMode = "raw_logprobs",
     ) -> None:
         self.generator = generator  # for rows without a seed; None means torch's default
         self.prepare = prepare or prepare_logits
         self.draw = draw or draw_tokens
         self.mask = mask or apply_bitmask
         self.argmax = argmax
+        self.logprobs_mode = logprobs_mode
+        self.as_logits = logprobs_mode.endswith("logits")
 
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
         """logits: the step's own (a grammar masks them in place, so logprobs see only allowed tokens, as
@@ -76,7 +80,9 @@ class Sampler:
             token_ids = torch.where(meta.greedy, token_ids, self.draw(processed, meta, self.generator))
         if not meta.want_logprobs:
             return SamplerOutput(token_ids, None, None, None)
-        return SamplerOutput(token_ids, *compute_logprobs(logits, token_ids, meta.max_logprobs))
+        source = filtered(processed, meta) if self.logprobs_mode.startswith("processed") else logits
+        logprobs = compute_logprobs(source, token_ids, meta.max_logprobs, self.as_logits)
+        return SamplerOutput(token_ids, *logprobs)
 
 
 def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
@@ -128,6 +134,16 @@ def draw_tokens(
     if logits.device.type == "cpu":
         return _draw_among_candidates(logits, meta.top_k, meta.top_p, uniform)
     return invert_cdf(_top_k_top_p(logits, meta.top_k, meta.top_p).softmax(dim=-1), uniform)
+
+
+def filtered(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    """Prepared logits as the draw saw them: min-p (idempotent: the draw may have applied it in place),
+    then top-k and top-p, -inf where they cut."""
+    if meta.min_p is not None:
+        apply_min_p(logits, meta.min_p)
+    if meta.top_k is None and meta.top_p is None:
+        return logits
+    return _top_k_top_p(logits, meta.top_k, meta.top_p)
 
 
 def invert_cdf(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
@@ -266,14 +282,15 @@ def _top_k_top_p(
 
 
 def compute_logprobs(
-    logits: torch.Tensor, token_ids: torch.Tensor, k: int
+    logits: torch.Tensor, token_ids: torch.Tensor, k: int, as_logits: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """log_softmax of logits [N,V]; returns (ids [N,1+k], logprobs [N,1+k], ranks [N]).
+    """log_softmax of logits [N,V] (as_logits: the logits themselves); returns (ids [N,1+k], values
+    [N,1+k], ranks [N]).
 
     Each row lists the given token first, then the top-k; rank is 1 + the number of tokens with a
-    strictly greater logprob.
+    strictly greater value.
     """
-    logprobs = logits.float().log_softmax(dim=-1)
+    logprobs = logits.float() if as_logits else logits.float().log_softmax(dim=-1)
     token_ids = token_ids.long()[:, None]
     chosen = logprobs.gather(-1, token_ids)
     ranks = (logprobs > chosen).sum(dim=-1) + 1
@@ -283,13 +300,13 @@ def compute_logprobs(
 
 def logprobs_in_chunks(
     logits_of: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor, token_ids: torch.Tensor, k: int,
-    rows: int,
+    rows: int, as_logits: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     """compute_logprobs of hidden states' logits, `rows` at a time: a chunk's logits, log-softmax and
     comparison take 9 bytes a vocabulary entry (2.8 GB for 2,048 rows at a vocabulary of 152k). The runner
     takes max_num_seqs rows, below the sampler's largest draw, which the GPU memory profile counts."""
     parts = [
-        compute_logprobs(logits_of(hidden[a : a + rows]), token_ids[a : a + rows], k)
+        compute_logprobs(logits_of(hidden[a : a + rows]), token_ids[a : a + rows], k, as_logits)
         for a in range(0, len(hidden), rows)
     ]
     return tuple(torch.cat(p) for p in zip(*parts, strict=True))  # type: ignore[return-value]

@@ -142,6 +142,19 @@ def test_regex_choice_and_grammar(client: openai.OpenAI) -> None:
         assert re.fullmatch(r"(yes|no) because [0-9]{2}", r.choices[0].text), r.choices[0].text
 
 
+def test_tokens_a_grammar_rules_out_show_logprob_minus_9999(client: openai.OpenAI) -> None:
+    """As vLLM's API: a masked token's -inf is -9999.0 (JSON has no -inf), in both formats."""
+    extra = {"structured_outputs": {"choice": ["yes", "no"]}}
+    ask = [{"role": "user", "content": "Is Paris in France?"}]
+    r = client.chat.completions.create(
+        model=MODEL, messages=ask, max_tokens=1, logprobs=True, top_logprobs=10, extra_body=extra
+    )
+    top = [t.logprob for t in r.choices[0].logprobs.content[0].top_logprobs]
+    assert len(top) == 10 and top[-1] == -9999.0 and top[0] > -9999.0  # a few prefixes of yes or no
+    r = client.completions.create(model=MODEL, prompt="Yes?", max_tokens=1, logprobs=10, extra_body=extra)
+    assert sorted(r.choices[0].logprobs.top_logprobs[0].values())[0] == -9999.0
+
+
 def check_calls(calls: list, allowed: dict[str, dict]) -> None:
     assert calls
     for call in calls:

@@ -199,6 +199,43 @@ def test_logprobs_are_raw_and_ranked() -> None:
         torch.testing.assert_close(out.logprobs[row, 1:], expected[row, top[row, :3]], rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("mode", ["raw_logits", "processed_logprobs", "processed_logits"])
+def test_logprobs_modes(mode: str) -> None:
+    """vLLM's --logprobs-mode: raw_logits the model's logits; processed_* the values the draw saw, after
+    bans, bias, temperature, min-p, top-k and top-p (-inf where cut), as log-softmax or as logits."""
+    logits = random_logits(3, 30, seed=7)
+    top = logits.argsort(-1, descending=True)
+    params = [
+        SamplingParams(temperature=0.0, logprobs=3),
+        SamplingParams(temperature=0.5, top_k=4, logprobs=5, logit_bias={int(top[1, 29]): 100.0}),
+        SamplingParams(temperature=2.0, top_p=0.5, min_p=0.1, logprobs=2),
+    ]
+    banned = [[int(top[0, 0])], [], []]
+    out = Sampler(seeded(1), logprobs_mode=mode)(logits.clone(), build(params, 30, banned_ids=banned))  # type: ignore[arg-type]
+    assert out.logprobs is not None and out.logprob_token_ids is not None
+    if mode == "raw_logits":
+        expected = logits
+    else:
+        x = logits.clone()
+        x[0, top[0, 0]] = float("-inf")
+        x[1, top[1, 29]] += 100.0  # the bias makes the worst token the best, and top-k keeps it
+        x[1] /= 0.5
+        x[2] /= 2.0
+        x[1, x[1].argsort(descending=True)[4:]] = float("-inf")
+        min_p = x[2].softmax(-1) < 0.1 * x[2].softmax(-1).max()
+        x[2, min_p] = float("-inf")
+        x[2:] = _top_k_top_p(x[2:], None, torch.tensor([0.5]))
+        expected = x if mode == "processed_logits" else x.log_softmax(-1)
+        assert int((expected[1] > float("-inf")).sum()) == 4
+    for row in range(3):
+        ids = out.logprob_token_ids[row]
+        assert ids[0] == out.token_ids[row]
+        torch.testing.assert_close(out.logprobs[row], expected[row, ids], rtol=1e-6, atol=1e-6)
+    if mode != "raw_logits":  # the draw keeps to what the values say
+        assert all(expected[r, out.token_ids[r]] > float("-inf") for r in range(3))
+        assert out.logprobs[1, 5].item() == float("-inf")  # the 5th best of row 1 was cut by its top-k
+
+
 def test_logprobs_zero_returns_only_the_sampled_token() -> None:
     logits = random_logits(2, 30)
     out = Sampler()(logits, build([SamplingParams(temperature=0.0, logprobs=0)] * 2, 30))
