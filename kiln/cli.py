@@ -86,6 +86,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     # the engine's OpenMP threads for the cores.
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     clock = time.perf_counter()  # the serving stack's imports (torch, dynamo, transformers, the server)
+    from kiln.api.middleware import own
     from kiln.api.server import listen, run
     from kiln.engine.tokenizer import chat_template
     from kiln.models.loader import resolve_model
@@ -98,6 +99,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         if config.model.chat_template is not None:
             chat_template(config.model.chat_template)  # so does a template that is neither file nor Jinja
         threads.resolve(config.backend.cpu_threads_bind, own_thread=True)  # so does a CPU it may not use
+        for path in config.server.middleware:  # and middleware that does not import
+            own(path)
     except (OSError, ValueError) as e:
         parser.exit(1, f"{parser.prog}: error: {e}\n")
     s = config.server

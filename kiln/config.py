@@ -23,6 +23,16 @@ class PoolerConfig(_Section):
     dimensions: Annotated[int, Meta(ge=1)] | None = None  # a Matryoshka model's default embedding size
 
 
+class StructuredOutputsConfig(_Section):
+    """vLLM's --structured-outputs-config. kiln's one backend is xgrammar (auto picks it)."""
+
+    backend: Literal["auto", "xgrammar"] = "auto"
+    disable_any_whitespace: bool = False  # every JSON constraint compact, as a request's own field makes it
+    # guidance's: xgrammar's JSON already follows additionalProperties, so it changes nothing, as in vLLM
+    disable_additional_properties: bool = False
+    enable_in_reasoning: bool = False  # constraints cover the <think> text too
+
+
 class ModelConfig(_Section):
     model: str = "default"  # a model folder, or "default" for the embedded SmolLM2-135M-Instruct
     tokenizer: str | None = None  # defaults to the model folder
@@ -42,13 +52,19 @@ class ModelConfig(_Section):
     # `reasoning`, structured outputs constrain only the answer after it, and a request's
     # thinking_token_budget can end it.
     reasoning_parser: Literal["deepseek_r1", "qwen3"] | None = None
-    # vLLM's structured_outputs_config.enable_in_reasoning: constraints cover the thinking too.
-    structured_outputs_in_reasoning: bool = False
+    structured_outputs_config: StructuredOutputsConfig = msgspec.field(
+        default_factory=StructuredOutputsConfig
+    )
     # vLLM's --runner: generate (text), or pooling (embeddings, /v1/embeddings); auto: pooling for a
     # sentence-transformers folder with a Pooling module, else generate.
     runner: Literal["auto", "generate", "pooling"] = "auto"
     convert: Literal["auto", "none", "embed"] = "auto"  # vLLM's --convert: embed serves a causal LM pooled
     pooler_config: PoolerConfig | None = None
+    # vLLM's --load-format: auto and safetensors read the folder's safetensors; dummy reads no weights and
+    # draws them at random (a config.json and a tokenizer suffice: for measuring speed).
+    load_format: Literal["auto", "safetensors", "dummy"] = "auto"
+    # vLLM's --hf-overrides: laid over config.json's top-level keys, e.g. {"max_position_embeddings": 4096}.
+    hf_overrides: dict[str, Any] | None = None
     # vLLM's --logprobs-mode: raw_* the model's own (a grammar's mask applied), processed_* after penalties,
     # bias, bans, temperature, min-p, top-k and top-p (what the draw saw, -inf where cut); *_logits the
     # values before log-softmax. Prompt logprobs: raw or processed alike.
@@ -147,6 +163,8 @@ class SchedulerConfig(_Section):
 
 class ParallelConfig(_Section):
     tensor_parallel_size: Annotated[int, Meta(ge=1)] = 1
+    pipeline_parallel_size: Annotated[int, Meta(ge=1)] = 1
+    data_parallel_size: Annotated[int, Meta(ge=1)] = 1
 
 
 class CompileConfig(_Section):
@@ -192,8 +210,11 @@ class EngineConfig(_Section):
 
     def check_supported(self) -> None:
         """Knobs kept for vLLM compatibility but not built yet fail loudly rather than being ignored."""
-        if self.parallel.tensor_parallel_size != 1:
-            raise ValueError("tensor_parallel_size > 1 is not supported yet: kiln runs on one device")
+        p = self.parallel
+        for key, size in [("tensor", p.tensor_parallel_size), ("pipeline", p.pipeline_parallel_size),
+                          ("data", p.data_parallel_size)]:  # fmt: skip
+            if size != 1:
+                raise ValueError(f"{key}_parallel_size > 1 is not supported yet: kiln runs on one device")
 
     @classmethod
     def from_options(cls, model: str = "default", **options: Any) -> EngineConfig:

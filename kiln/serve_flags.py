@@ -99,6 +99,22 @@ SERVE_FLAGS: dict[str, tuple[str, str, dict]] = {
     ),
     "--gpu-memory-utilization": ("cache", "gpu_memory_utilization", {"type": float}),
     "--tensor-parallel-size": ("parallel", "tensor_parallel_size", {"type": int}),
+    "--pipeline-parallel-size": ("parallel", "pipeline_parallel_size", {"type": int}),
+    "--data-parallel-size": ("parallel", "data_parallel_size", {"type": int}),
+    "--hf-overrides": (
+        "model",
+        "hf_overrides",
+        {
+            "type": json.loads,
+            "metavar": "JSON",
+            "help": "laid over config.json, e.g. '{\"rope_theta\": 1e6}'",
+        },
+    ),
+    "--load-format": (
+        "model",
+        "load_format",
+        {"choices": ["auto", "safetensors", "dummy"], "help": "dummy: random weights, for measuring speed"},
+    ),
     "--compile-mode": ("compile", "mode", {"choices": ["auto", "eager", "compiled", "cudagraph"]}),
     "--cudagraph-capture-sizes": ("compile", "decode_sizes", {"type": int, "nargs": "+", "metavar": "N"}),
     "--max-cudagraph-capture-size": ("compile", "max_decode_size", {"type": int}),
@@ -124,6 +140,11 @@ SERVE_FLAGS: dict[str, tuple[str, str, dict]] = {
         "model",
         "logprobs_mode",
         {"choices": ["raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits"]},
+    ),
+    "--structured-outputs-config": (
+        "model",
+        "structured_outputs_config",
+        {"type": json.loads, "metavar": "JSON", "help": 'e.g. {"enable_in_reasoning": true}'},
     ),
     "--reasoning-parser": ("model", "reasoning_parser", {"choices": ["deepseek_r1", "qwen3"]}),
     "--runner": (
@@ -183,12 +204,22 @@ SERVE_FLAGS: dict[str, tuple[str, str, dict]] = {
         "default_chat_template_kwargs",
         {"type": json.loads, "metavar": "JSON", "help": 'e.g. {"enable_thinking": false}'},
     ),
+    "--chat-template-content-format": (
+        "server",
+        "chat_template_content_format",
+        {"choices": ["auto", "string", "openai"], "help": "messages' content as text or a list of parts"},
+    ),
     "--trust-request-chat-template": ("server", "trust_request_chat_template", {"action": "store_true"}),
     "--enable-server-load-tracking": ("server", "enable_server_load_tracking", {"action": "store_true"}),
     "--sse-keep-alive-interval": (
         "server",
         "sse_keep_alive_interval",
         {"type": int, "help": "a ': keep-alive' comment after this many idle seconds of a stream"},
+    ),
+    "--middleware": (
+        "server",
+        "middleware",
+        {"action": "append", "metavar": "IMPORT.PATH", "help": "an ASGI middleware class or async function"},
     ),
     "--root-path": ("server", "root_path", {"help": "the path prefix a routing proxy adds"}),
     "--uvicorn-log-level": (

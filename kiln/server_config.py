@@ -86,6 +86,12 @@ class ServerConfig(_Section):
     enable_tokenizer_info_endpoint: bool = False  # GET /tokenizer_info: the tokenizer's config, template too
     # tool_choice "none" leaves the tools out of the prompt (else the template shows them, as vLLM's default).
     exclude_tools_when_tool_choice_none: bool = False
+    # How a message's content reaches the chat template (vLLM's --chat-template-content-format): "string",
+    # its text parts joined by newlines; "openai", the list of parts; auto: whichever the template reads.
+    chat_template_content_format: Literal["auto", "string", "openai"] = "auto"
+    # vLLM's --middleware: import paths of ASGI middleware classes or async (request, call_next) functions,
+    # run outermost, in order.
+    middleware: list[str] = msgspec.field(default_factory=list)
 
     @property
     def api_keys(self) -> list[str]:

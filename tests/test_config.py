@@ -185,7 +185,8 @@ def test_vllm_capacity_and_sizing_flags() -> None:
          "--num-gpu-blocks-override", "40", "--shutdown-timeout", "0", "--cudagraph-capture-sizes", "1", "2",
          "8", "--max-cudagraph-capture-size", "8", "--root-path", "/kiln", "--uvicorn-log-level", "warning",
          "--sse-keep-alive-interval", "15", "--no-enable-chunked-prefill", "--logprobs-mode",
-         "processed_logits"]
+         "processed_logits", "--structured-outputs-config",
+         '{"enable_in_reasoning": true, "disable_any_whitespace": true}']
     )  # fmt: skip
     config = _load_config(args)
     sched, cache, s = config.scheduler, config.cache, config.server
@@ -195,6 +196,8 @@ def test_vllm_capacity_and_sizing_flags() -> None:
     assert (config.compile.decode_sizes, config.compile.max_decode_size) == ([1, 2, 8], 8)
     assert (s.root_path, s.uvicorn_log_level, s.sse_keep_alive_interval) == ("/kiln", "warning", 15)
     assert config.model.logprobs_mode == "processed_logits"
+    so = config.model.structured_outputs_config
+    assert so.enable_in_reasoning and so.disable_any_whitespace and so.backend == "auto"
 
 
 @pytest.mark.parametrize(
@@ -204,6 +207,14 @@ def test_vllm_capacity_and_sizing_flags() -> None:
         (["--kv-cache-memory-bytes", "4GB"], "'4GB' is not a size"),
         (["--root-path", "kiln"], "server.root_path must start with /"),
         (["--sse-keep-alive-interval", "-1"], "key 'server.sse_keep_alive_interval': Expected `int` >= 0"),
+        (["--pipeline-parallel-size", "2"], "pipeline_parallel_size > 1 is not supported yet"),
+        (["--data-parallel-size", "4"], "data_parallel_size > 1 is not supported yet"),
+        (["--middleware", "no.such.Thing"], "--middleware 'no.such.Thing': cannot import it"),
+        (
+            ["--structured-outputs-config", '{"backend": "guidance"}'],
+            "key 'model.structured_outputs_config.backend': Invalid enum value 'guidance'",
+        ),
+        (["--middleware", "kiln.version.VERSION"], "not an import path to a class or an async function"),
     ],
 )
 def test_vllm_flag_values_refused(flags: list[str], message: str, capsys: pytest.CaptureFixture) -> None:

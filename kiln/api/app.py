@@ -30,12 +30,14 @@ from kiln.api.inputs import Inputs
 from kiln.api.invocations import create_invocation
 from kiln.api.load import ServerLoad
 from kiln.api.middleware import middleware
+from kiln.api.pooling import create_pooling
 from kiln.api.protocol import (
     ChatCompletionRequest,
     ClassificationRequest,
     CompletionRequest,
     DetokenizeRequest,
     EmbeddingRequest,
+    PoolingRequest,
     RerankRequest,
     ScoreRequest,
     TokenizeRequest,
@@ -103,6 +105,7 @@ class App:
             ("/v1/responses", create_response, ResponsesRequest),
             ("/v1/embeddings", create_embedding, EmbeddingRequest),
             ("/classify", create_classification, ClassificationRequest),
+            ("/pooling", create_pooling, PoolingRequest),
             *((p, create_score, ScoreRequest) for p in ("/score", "/v1/score")),
             *((p, create_rerank, RerankRequest) for p in ("/rerank", "/v1/rerank", "/v2/rerank")),
         ]

@@ -40,7 +40,7 @@ async def create_embedding(
     vectors = await pool(engine, inputs, request, body, rid, prompts, params)
     if vectors is None:
         return None
-    data = [EmbeddingData(i, _encoded(v, body)) for i, v in enumerate(vectors)]
+    data = [EmbeddingData(i, encoded(v, body)) for i, v in enumerate(vectors)]
     tokens = sum(len(p) for p in prompts)
     return EmbeddingResponse(rid, engine.model_name, data, Usage(tokens, 0, tokens))
 
@@ -66,7 +66,8 @@ async def pool(
     return [out.embedding for out in finals]  # type: ignore[misc]
 
 
-def _encoded(v: torch.Tensor, body: EmbeddingRequest) -> list[float] | str:
+def encoded(v: torch.Tensor, body: EmbeddingRequest) -> list[float] | str:
+    """A vector as encoding_format asks: floats, or base64 of its bytes in embed_dtype and endianness."""
     if body.encoding_format == "float":
         return v.tolist()
     dtype, bits = _DTYPES[body.embed_dtype]

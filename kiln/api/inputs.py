@@ -12,7 +12,7 @@ import inspect
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 import msgspec
 
@@ -21,6 +21,7 @@ from kiln.api.errors import APIError
 from kiln.api.protocol import ChatMessage, ChatRender, CompletionRequest, Tool, _SamplingRequest
 from kiln.engine.bad_words import MAX_BAD_WORDS
 from kiln.engine.chat_template import render_chat
+from kiln.engine.content_format import detect_content_format
 from kiln.sampling_params import truncate_prompt
 from kiln.server_config import ServerConfig
 
@@ -173,7 +174,8 @@ class Inputs:
                 "Cannot set both `continue_final_message` and `add_generation_prompt` to True.",
                 "continue_final_message",
             )
-        return render_messages(self.tokenizer, messages, body, tools)
+        fmt = self.limits.chat_template_content_format
+        return render_messages(self.tokenizer, messages, body, tools, fmt)
 
     async def tokenize(self, text: str, add_special_tokens: bool) -> list[int]:
         self.check_chars(len(text), "prompt")
@@ -206,16 +208,26 @@ def prompt_list(prompt: Any) -> list[str | list[int]]:
 
 
 def render_messages(
-    tokenizer: Any, messages: list[ChatMessage], body: ChatRender, tools: list[Tool] | None = None
+    tokenizer: Any,
+    messages: list[ChatMessage],
+    body: ChatRender,
+    tools: list[Tool] | None = None,
+    content_format: Literal["auto", "string", "openai"] = "auto",
 ) -> list[int]:
-    """The request's messages (text content parts joined) through the model's chat template. The
-    template's variables may come from the request, but never the call's own arguments, nor the template
-    itself unless the server trusts it (Inputs.chat_ids): a template could run unbounded loops."""
+    """The request's messages through the model's chat template, each content as vLLM gives it: its text
+    parts joined by newlines ("string"), or a list of text parts ("openai", for a template that loops over
+    them); "auto" detects which the template reads. The template's variables may come from the request,
+    but never the call's own arguments, nor the template itself unless the server trusts it
+    (Inputs.chat_ids): a template could run unbounded loops."""
     chat_template_kwargs = body.chat_template_kwargs
     reserved = set(inspect.signature(tokenizer.apply_chat_template).parameters)
     for key in chat_template_kwargs or {}:
         if key in reserved:
             raise APIError(400, f"chat_template_kwargs may not set {key!r}", "chat_template_kwargs")
+    template = body.chat_template or tokenizer.chat_template
+    fmt = content_format
+    if fmt == "auto":
+        fmt = detect_content_format(template) if isinstance(template, str) else "string"
     plain = []
     for i, m in enumerate(messages):
         content = m.content
@@ -228,8 +240,11 @@ def render_messages(
                     )
                 if part.text is None:
                     raise APIError(400, f"{where}: a text part needs its `text`", "messages")
-            content = "".join(part.text or "" for part in content)
-        message: dict[str, Any] = {"role": m.role, "content": content or ""}
+            texts = [part.text or "" for part in content]
+        else:
+            texts = [] if content is None else [content]
+        parts = [{"type": "text", "text": text} for text in texts]
+        message: dict[str, Any] = {"role": m.role, "content": "\n".join(texts) if fmt == "string" else parts}
         if m.name is not None:
             message["name"] = m.name
         thought = m.reasoning if m.reasoning is not None else m.reasoning_content

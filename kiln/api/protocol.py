@@ -231,6 +231,13 @@ class ClassificationRequest(_PooledInputRequest, kw_only=True):
     """vLLM's /classify: each input's class probabilities."""
 
 
+class PoolingRequest(EmbeddingRequest, kw_only=True):
+    """vLLM's /pooling: each input's pooled output as the model's task makes it (an embedding, or class
+    probabilities); `task` may name that task."""
+
+    task: Literal["embed", "classify", "token_embed", "token_classify", "plugin"] | None = None
+
+
 class _ScoringRequest(_Strict):
     model: str | None = None
     user: str | None = None

@@ -245,3 +245,18 @@ class ClassificationResponse(msgspec.Struct):
     usage: Usage
     object: Literal["list"] = "list"
     created: int = msgspec.field(default_factory=_now)
+
+
+class PoolingData(msgspec.Struct):
+    index: int
+    data: list[float] | str  # base64: the values' bytes
+    object: Literal["pooling"] = "pooling"
+
+
+class PoolingResponse(msgspec.Struct):
+    id: str
+    model: str
+    data: list[PoolingData]
+    usage: Usage
+    object: Literal["list"] = "list"
+    created: int = msgspec.field(default_factory=_now)

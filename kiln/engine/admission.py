@@ -34,7 +34,7 @@ class Admission:
     max_logprobs: int  # the most logprobs a request may ask for (model.max_logprobs, -1 resolved)
     device: torch.device  # where seeded requests' generators live
     think_tags: ThinkTags | None = None  # a reasoning parser's (model.reasoning_parser)
-    constrain_thinking: bool = False  # model.structured_outputs_in_reasoning
+    constrain_thinking: bool = False  # structured_outputs_config.enable_in_reasoning
     pooler: Pooler | None = None  # runner pooling's: requests are for embeddings
 
     def tokenize(
@@ -91,7 +91,7 @@ class Admission:
             if self.constrain_thinking and params.structured_outputs is not None:
                 raise ValueError(
                     "thinking_token_budget cannot end the thinking while a constraint holds it "
-                    "(model.structured_outputs_in_reasoning)"
+                    "(structured_outputs_config.enable_in_reasoning)"
                 )
         return tokenize_bad_words(self.tokenizer, params.bad_words, vocab)
 

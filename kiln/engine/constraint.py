@@ -32,8 +32,9 @@ class Constraint:
     any_whitespace: bool = True
 
     @classmethod
-    def of(cls, params: StructuredOutputsParams) -> Constraint:
-        ws = not params.disable_any_whitespace
+    def of(cls, params: StructuredOutputsParams, compact: bool = False) -> Constraint:
+        """compact: JSON without whitespace whatever the params say (the server's setting)."""
+        ws = not (params.disable_any_whitespace or compact)
         if params.json_object:
             return cls("json", '{"type": "object"}', ws)
         if params.json is not None:

@@ -60,7 +60,7 @@ class LLMEngine:
         self.pinned = threads.resolve(b.cpu_threads_bind, own_thread) if device.type == "cpu" else None
         if self.pinned is not None:
             torch.set_num_threads(len(self.pinned))
-        spec, dims, dtype = inspect_model(path, config.model.dtype, device)
+        spec, dims, dtype = inspect_model(path, config.model.dtype, device, config.model.hf_overrides)
         self.max_model_len = config.model.max_model_len or dims.max_positions
         if self.max_model_len > dims.max_positions:
             raise ValueError(
@@ -88,7 +88,16 @@ class LLMEngine:
         )
         kernels = self.backend.layer_kernels(device, dtype)
         built = time.perf_counter() - start
-        self.model = load_model(path, config.model.dtype, device, kernels, attention)
+        dummy = config.model.load_format == "dummy"
+        self.model = load_model(
+            path,
+            config.model.dtype,
+            device,
+            kernels,
+            attention,
+            dummy=dummy,
+            hf_overrides=config.model.hf_overrides,
+        )
         self.timings = {"kernels": built, "weights": time.perf_counter() - clock - built}
         clock = time.perf_counter()
         self.tokenizer = load_tokenizer(config, path)
@@ -103,7 +112,10 @@ class LLMEngine:
                 "config): %s; --generation-config vllm turns this off",
                 self.sampling_defaults,
             )
-        self.grammars = Grammars(lambda: load_tokenizer(config, path), dims.vocab_size, self.eos_token_ids)
+        compact = config.model.structured_outputs_config.disable_any_whitespace
+        self.grammars = Grammars(
+            lambda: load_tokenizer(config, path), dims.vocab_size, self.eos_token_ids, compact
+        )
         self.pooler = resolve_pooler(config.model, path, dims.hidden_size, headless(spec), self.model.score)
         self.runner = ModelRunner(
             self.model, config, self.max_model_len, self.backend, self.grammars, self.pooler is not None
@@ -119,7 +131,7 @@ class LLMEngine:
             dims.vocab_size if config.model.max_logprobs == -1 else config.model.max_logprobs,
             self.runner.device,
             None if parser is None else ThinkTags.of(parser, self.tokenizer),
-            config.model.structured_outputs_in_reasoning,
+            config.model.structured_outputs_config.enable_in_reasoning,
             self.pooler,
         )
         self.timings["runner"] = time.perf_counter() - clock

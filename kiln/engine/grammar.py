@@ -130,8 +130,12 @@ class Grammars:
     imported, and its view of the tokenizer built, on the grammar thread, so a server that never sees a
     constraint never pays for them."""
 
-    def __init__(self, load_tokenizer: Callable[[], Any], vocab_size: int, stop_ids: set[int]) -> None:
+    def __init__(
+        self, load_tokenizer: Callable[[], Any], vocab_size: int, stop_ids: set[int], compact: bool = False
+    ) -> None:
+        """compact: every JSON constraint without whitespace (structured_outputs_config's)."""
         self.vocab_size = vocab_size
+        self.compact = compact
         self.stats = GrammarStats()
         self._lock = threading.Lock()
         self._entries: OrderedDict[Constraint, _Entry] = OrderedDict()
@@ -154,7 +158,7 @@ class Grammars:
         """Parses the constraint (cached); raises ValueError naming what is wrong with it."""
         if not self._stop_ids:  # xgrammar ends a grammar on a stop token, and refuses a tokenizer without one
             raise ValueError("structured output needs a model with an end-of-sequence token; it has none")
-        constraint = Constraint.of(params)
+        constraint = Constraint.of(params, self.compact)
         self._entry(constraint)
         return constraint
 
@@ -168,7 +172,11 @@ class Grammars:
 
         try:
             if c.kind == "json":
-                grammar = xgr.Grammar.from_json_schema(c.text, any_whitespace=c.any_whitespace)
+                # Compact, as vLLM asks xgrammar for it: no whitespace, nor after its separators.
+                compact = None if c.any_whitespace else (",", ":")
+                grammar = xgr.Grammar.from_json_schema(
+                    c.text, any_whitespace=c.any_whitespace, separators=compact
+                )
             elif c.kind == "regex":
                 grammar = xgr.Grammar.from_regex(c.text)
             elif c.kind == "structural_tag":

@@ -131,7 +131,7 @@ def resolve_pooler(
     sequence classifier's score weight), else None: it generates. model.pooler_config wins over the
     folder's settings."""
     given = model.pooler_config or PoolerConfig()
-    config = json.loads((path / "config.json").read_text())
+    config = json.loads((path / "config.json").read_text()) | (model.hf_overrides or {})
     if head is not None:
         if model.runner == "generate":
             raise ValueError(f"{path} holds a sequence classifier: it serves /classify (--runner pooling)")

@@ -38,10 +38,11 @@ class _Target:
     transpose: bool
 
 
-def load_config(path: Path) -> Any:
+def load_config(path: Path, overrides: dict[str, Any] | None = None) -> Any:
+    """The folder's config.json, with vLLM's --hf-overrides laid over its top-level keys."""
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"{path}: no config.json; a model folder needs config.json and *.safetensors")
-    return AutoConfig.from_pretrained(path, local_files_only=True)
+    return AutoConfig.from_pretrained(path, local_files_only=True, **(overrides or {}))
 
 
 def resolve_dtype(dtype: str, config: Any, device: torch.device) -> torch.dtype:
@@ -91,9 +92,11 @@ def resolve_model(model: str) -> Path:
     return path
 
 
-def inspect_model(path: Path, dtype: str, device: torch.device) -> tuple[ArchSpec, ModelDims, torch.dtype]:
+def inspect_model(
+    path: Path, dtype: str, device: torch.device, overrides: dict[str, Any] | None = None
+) -> tuple[ArchSpec, ModelDims, torch.dtype]:
     """The architecture, shapes and serving dtype on `device` of a model folder, without its weights."""
-    config = load_config(path)
+    config = load_config(path, overrides)
     spec = spec_for(getattr(config, "architectures", None))
     return spec, spec.dims(config), resolve_dtype(dtype, config, device)
 
@@ -105,16 +108,27 @@ def load_model(
     kernels: Kernels | None = None,
     attention: AttentionImpl = TORCH_ATTENTION,
     stager: Stager | None = None,
+    dummy: bool = False,
+    hf_overrides: dict[str, Any] | None = None,
 ) -> DecoderModel:
     """kernels: None is the torch references for this device and dtype. stager: None stages through
     pinned memory on a GPU (staging.py) and copies directly on a CPU. A stager that fails (its pinned
-    memory, stream or reads) is logged, and the weights are loaded again with direct copies."""
+    memory, stream or reads) is logged, and the weights are loaded again with direct copies. dummy: no
+    weights read, each drawn uniformly from +-1e-3 (vLLM's --load-format dummy, to measure speed).
+    hf_overrides: laid over config.json (vLLM's --hf-overrides)."""
     device = torch.device(device)
-    spec, dims, torch_dtype = inspect_model(path, dtype, device)
+    spec, dims, torch_dtype = inspect_model(path, dtype, device, hf_overrides)
     kernels = kernels or torch_kernels(device, torch_dtype)
     with torch.device("meta"):
         model = DecoderModel(spec, dims, kernels, attention).to(torch_dtype)
     model.to_empty(device=device)
+    if dummy:
+        generator = torch.Generator(device).manual_seed(1234)
+        with torch.no_grad():
+            for param in model.parameters():
+                param.uniform_(-1e-3, 1e-3, generator=generator)
+        model.prepare(dims.max_positions)
+        return model.eval()
     files = safetensors_files(path)
     staged = stager is not None or device.type == "cuda"
     try:

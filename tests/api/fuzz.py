@@ -16,6 +16,7 @@ from kiln.api.protocol import (
     CompletionRequest,
     DetokenizeRequest,
     EmbeddingRequest,
+    PoolingRequest,
     RerankRequest,
     ScoreRequest,
     TokenizeRequest,
@@ -31,6 +32,7 @@ POOLING_ENDPOINTS: dict[str, type] = {  # a pooling model's
     "/v1/embeddings": EmbeddingRequest,
     "/score": ScoreRequest,
     "/rerank": RerankRequest,
+    "/pooling": PoolingRequest,
 }
 
 # Words the schemas' strings should often be, so that draws get past the first check.

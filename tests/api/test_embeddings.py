@@ -164,6 +164,7 @@ def test_a_generating_model_does_not_embed_nor_score(tiny_server: Server) -> Non
         ("/v1/embeddings", "Embeddings", {"input": "hi"}),
         ("/score", "Score", {"text_1": "a", "text_2": "b"}),
         ("/v1/rerank", "Rerank (Score)", {"query": "a", "documents": ["b"]}),
+        ("/pooling", "Pooling", {"input": "hi"}),
     ):
         message = expect_error(post(tiny_server, path, json=body), 501, "NotImplementedError")
         assert message == f"The model does not support {api} API"
@@ -306,3 +307,34 @@ def test_each_pooling_task_answers_only_its_own_apis(classify_server: Server, em
     ):
         message = expect_error(post(server, path, json=body), 501, "NotImplementedError")
         assert message == f"The model does not support {api} API"
+
+
+def test_pooling_gives_the_models_own_output(
+    embed_server: Server, reference: tuple, classify_server: Server, classifier: tuple
+) -> None:
+    """vLLM's /pooling: an embedding model's embeddings, a classifier's class probabilities, each in the
+    pooling API's own shape."""
+    ids = [reference[1].encode(t) for t in TEXTS]
+    r = post(embed_server, "/pooling", json={"input": TEXTS, "task": "embed"})
+    got = r.json()
+    assert got["id"].startswith("pooling-") and got["object"] == "list" and got["model"] == NAME
+    assert [(d["index"], d["object"]) for d in got["data"]] == [
+        (0, "pooling"),
+        (1, "pooling"),
+        (2, "pooling"),
+    ]
+    for d, one in zip(got["data"], ids, strict=True):
+        np.testing.assert_allclose(d["data"], expected(reference, one), atol=1e-5)
+    assert got["usage"]["prompt_tokens"] == sum(map(len, ids))
+    got = post(classify_server, "/pooling", json={"input": "t5 t6 t7"}).json()
+    tokenizer = AutoTokenizer.from_pretrained(classifier[0])
+    with torch.no_grad():
+        want = classifier[1](torch.tensor([tokenizer.encode("t5 t6 t7")])).logits[0].softmax(-1)
+    np.testing.assert_allclose(got["data"][0]["data"], want.numpy(), atol=1e-5)
+    r = post(embed_server, "/pooling", json={"input": "hi", "task": "classify"})
+    assert (
+        expect_error(r, 400, "BadRequestError", "task")
+        == "Unsupported task: 'classify' Supported tasks: ('embed',)"
+    )
+    r = post(embed_server, "/pooling", json={"input": "hi", "dimensions": 16})
+    assert expect_error(r, 400, "BadRequestError", "dimensions") == "dimensions is currently not supported"

@@ -1,7 +1,7 @@
 """vLLM's operations flags, on one server started with all of them: the queue limits
 (--max-num-queued-reqs, --max-num-queued-tokens), --enable-server-load-tracking with GET /load,
 --sse-keep-alive-interval, --root-path, --enable-tokenizer-info-endpoint,
---exclude-tools-when-tool-choice-none, --log-error-stack and --uvicorn-log-level."""
+--exclude-tools-when-tool-choice-none, --log-error-stack, --uvicorn-log-level and --middleware."""
 
 from __future__ import annotations
 
@@ -57,6 +57,7 @@ def ops(tmp_path_factory: pytest.TempPathFactory, default_model_dir: Path) -> It
         *("--max-num-queued-reqs", "3", "--max-num-queued-tokens", "1", "--enable-server-load-tracking"),
         *("--sse-keep-alive-interval", "1", "--root-path", "/kiln", "--enable-tokenizer-info-endpoint"),
         *("--exclude-tools-when-tool-choice-none", "--log-error-stack", "--uvicorn-log-level", "warning"),
+        *("--middleware", "tests.api.middleware_example.Stamp"),
     ]
     srv = start_server(tmp_path_factory.mktemp("serve-ops"), config, *flags)
     yield srv
@@ -107,7 +108,9 @@ def test_queue_limits_refuse_with_503_and_keep_alive_holds_the_queued_stream(ops
 
 def test_root_path_routes_both_ways(ops: Server) -> None:
     for path in ("/kiln/v1/models", "/v1/models"):
-        assert httpx.get(f"{ops.url}{path}", headers=AUTH).json()["data"][0]["id"].endswith("tiny-ops0")
+        r = httpx.get(f"{ops.url}{path}", headers=AUTH)
+        assert r.json()["data"][0]["id"].endswith("tiny-ops0")
+        assert r.headers["x-stamp"] == "class"  # the operator's middleware (--middleware) ran
         assert httpx.get(f"{ops.url}{path}").status_code == 401  # the API key guards it either way
 
 

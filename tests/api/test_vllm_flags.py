@@ -1,8 +1,8 @@
 """vLLM's serve flags that set server-wide behaviour, on one server started with all of them: HTTPS
 (--ssl-*), --tokenizer, --no-enable-prefix-caching, --response-role, --return-tokens-as-token-ids,
 --enable-force-include-usage, --default-chat-template-kwargs with --trust-request-chat-template,
---disable-uvicorn-access-log and --trust-remote-code; and a request's own chat template refused where the
-server does not trust it."""
+--disable-uvicorn-access-log, --trust-remote-code and --middleware (a function); and a request's own chat
+template refused where the server does not trust it."""
 
 from __future__ import annotations
 
@@ -47,7 +47,7 @@ def flagged(
         *("--tokenizer", str(default_model_dir), "--no-enable-prefix-caching", "--response-role", "bot"),
         *("--return-tokens-as-token-ids", "--enable-force-include-usage", "--trust-request-chat-template"),
         *("--default-chat-template-kwargs", json.dumps({"greeting": "Ahoy"}), "--disable-uvicorn-access-log"),
-        "--trust-remote-code",
+        *("--trust-remote-code", "--middleware", "tests.api.middleware_example.stamp"),
     ]
     srv = start_server(tmp_path_factory.mktemp("serve-flags"), config, *flags, tls=trust)
     yield srv
@@ -60,7 +60,8 @@ def call(server: Server, trust: ssl.SSLContext, path: str, body: dict) -> httpx.
 
 def test_https_only(flagged: Server, trust: ssl.SSLContext) -> None:
     assert flagged.url.startswith("https://")
-    assert httpx.get(f"{flagged.url}/v1/models", headers=AUTH, verify=trust).status_code == 200
+    r = httpx.get(f"{flagged.url}/v1/models", headers=AUTH, verify=trust)
+    assert r.status_code == 200 and r.headers["x-stamp"] == "function"  # --middleware's async function
     with pytest.raises(httpx.TransportError):  # a client that does not trust the certificate
         httpx.get(f"{flagged.url}/v1/models", headers=AUTH, verify=True)
     assert "kiln is ready at https://127.0.0.1" in flagged.output()
@@ -121,3 +122,19 @@ def test_tool_choice_none_shows_the_tools_by_default(flagged: Server, trust: ssl
     none = call(flagged, trust, "/v1/chat/completions", {**body, "tools": [tool], "tool_choice": "none"})
     shown = call(flagged, trust, "/tokenize", {"prompt": "1 tools. hello", "add_special_tokens": False})
     assert none.json()["usage"]["prompt_tokens"] == shown.json()["count"]
+
+
+def test_content_parts_reach_the_template_as_it_reads_them(flagged: Server, trust: ssl.SSLContext) -> None:
+    """As vLLM (--chat-template-content-format auto): a template that prints a message's content gets its
+    text parts joined by newlines; one that loops over the content gets the list of parts (a string
+    content as one part)."""
+
+    def tokens(body: dict) -> list[int]:
+        return call(flagged, trust, "/tokenize", {"add_special_tokens": False, **body}).json()["tokens"]
+
+    parts = [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]
+    printing = "{% for m in messages %}<{{ m.content }}>{% endfor %}"
+    looping = "{% for m in messages %}{% for p in m.content %}[{{ p.text }}]{% endfor %}{% endfor %}"
+    assert tokens({"messages": parts, "chat_template": printing}) == tokens({"prompt": "<a\nb>"})
+    assert tokens({"messages": parts, "chat_template": looping}) == tokens({"prompt": "[a][b]"})
+    assert tokens({"messages": HI, "chat_template": looping}) == tokens({"prompt": "[hello]"})

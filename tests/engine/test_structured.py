@@ -189,3 +189,21 @@ def test_a_grammar_at_its_end_ends_the_request_before_min_tokens(llm: LLM) -> No
     more = SamplingParams(temperature=0.0, max_tokens=12, min_tokens=6, structured_outputs=S(regex="(ab)+"))
     out = llm.generate([prompt], more, use_tqdm=False)[0].outputs[0]
     assert re.fullmatch("(ab)+", out.text) and len(out.token_ids) >= 6
+
+
+def test_the_servers_compact_json(default_model_dir: Path) -> None:
+    """structured_outputs_config.disable_any_whitespace (vLLM's): every JSON constraint compact, as a
+    request's own disable_any_whitespace makes it."""
+    load = lambda: AutoTokenizer.from_pretrained(default_model_dir)
+    compact = Grammars(load, len(load()), {2}, compact=True)
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    try:
+        for g, params, spaced in [
+            (compact, S(json=schema), False),
+            (compact, S(json_object=True), False),
+            (Grammars(load, len(load()), {2}), S(json=schema), True),
+        ]:
+            assert matches(g, params, '{"a": 1}') is spaced
+            assert matches(g, params, '{"a":1}')
+    finally:
+        compact.close()

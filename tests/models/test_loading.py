@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from kiln import LLM
+from kiln import LLM, SamplingParams
 from kiln.models.loader import WeightError, load_config, load_model, resolve_dtype
 from kiln.models.registry import ARCHITECTURES, UnsupportedArchitecture
 from kiln.models.staging import Stager, data_offsets
@@ -173,3 +173,32 @@ def test_cudagraph_mode_on_a_cpu_says_it_needs_cuda(llama: Path) -> None:
         ValueError, match="compile mode 'cudagraph' needs a CUDA device; use 'compiled' or 'eager'"
     ):
         LLM(str(llama), mode="cudagraph")
+
+
+def test_dummy_weights_need_no_checkpoint(llama: Path) -> None:
+    """vLLM's --load-format dummy: nothing read (here nothing is there), every weight drawn from +-1e-3,
+    and the model serves."""
+    (llama / "model.safetensors").unlink()
+    with pytest.raises(FileNotFoundError, match=r"missing safetensors"):
+        load_model(llama)
+    values = torch.cat([p.flatten() for p in load_model(llama, "float32", dummy=True).parameters()])
+    assert values.abs().max() <= 1e-3 and values.std() > 1e-4
+    llm = LLM(str(llama), load_format="dummy", mode="eager", dtype="float32", kv_cache_gib=0.01)
+    out = llm.generate(["hi"], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 4
+
+
+def test_hf_overrides_lay_over_config_json(llama: Path) -> None:
+    """vLLM's --hf-overrides: the model is built from config.json with the overrides' keys replaced."""
+    plain = load_model(llama, "float32")
+    wider = load_model(llama, "float32", hf_overrides={"max_position_embeddings": 96, "rms_norm_eps": 0.5})
+    assert (
+        (wider.dims.max_positions, wider.dims.norm_eps)
+        == (96, 0.5)
+        != (
+            plain.dims.max_positions,
+            plain.dims.norm_eps,
+        )
+    )
+    llm = LLM(str(llama), hf_overrides={"max_position_embeddings": 96}, mode="eager", kv_cache_gib=0.01)
+    assert llm.engine.max_model_len == 96
