@@ -94,10 +94,9 @@ class ToolCallStream:
     _scan: int = 0  # where the next call of a "required" list may start
 
     def feed(self, delta: str) -> list[DeltaToolCall]:
-        first = not self.text
         self.text += delta
         if self.name is not None:
-            if first:
+            if not self.calls:  # the call's head, once: its first delta may be empty (thinking just ended)
                 self.calls.append(ToolCall(self.make_id(), FunctionCall(self.name, "")))
                 head = DeltaFunction(self.name, delta)
                 return [DeltaToolCall(0, head, self.calls[0].id, "function")]

@@ -159,12 +159,13 @@ class AsyncEngine:
         bad_words = admission.check_params(params)
         admission.check_prompt(prompt_ids, isinstance(params, PoolingParams))
         seqs = params.n if isinstance(params, SamplingParams) else 1
+        tokens = len(prompt_ids) * seqs  # as vLLM counts its n sequences
         try:
-            self._queue.join(seqs, len(prompt_ids) * seqs)
+            self._queue.join(seqs, tokens)
         except Overloaded as e:
             self.metrics.rejected(e.reason)
             raise
-        stream = RequestStream(request_id, self, params, seqs=seqs, prefill_tokens=len(prompt_ids) * seqs)
+        stream = RequestStream(request_id, self, params, seqs=seqs, prefill_tokens=tokens)
         self._streams[request_id] = stream
         self._commands.put(_Add(request_id, prompt_ids, params, priority, cache_salt, bad_words))
         return stream

@@ -141,6 +141,11 @@ def test_named_call_streams_its_arguments() -> None:
     first, second = stream.feed('{"x"'), stream.feed(": 1}")
     assert first[0].id and first[0].function.name == "f" and first[0].function.arguments == '{"x"'
     assert second[0].id is None and second[0].function.arguments == ": 1}"
+    # The answer's first delta may be empty (the step that ended the thinking): the head goes once.
+    stream = ToolCallStream("f")
+    deltas = [d for text in ("", '{"x"', ": 1}") for d in stream.feed(text)]
+    assert [d.function.name for d in deltas] == ["f", None, None]
+    assert "".join(d.function.arguments for d in deltas) == '{"x": 1}'
 
 
 @pytest.fixture(scope="module")
