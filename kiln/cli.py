@@ -62,6 +62,8 @@ def _load_config(args: argparse.Namespace) -> ServeConfig:
         value = getattr(args, flag[2:].replace("-", "_"))
         if value is not None:
             overrides.setdefault(section, {})[key] = value
+    if getattr(args, "model_tag", None) is not None:
+        overrides.setdefault("model", {})["model"] = args.model_tag
     if args.enforce_eager:
         overrides.setdefault("compile", {})["mode"] = "eager"
     try:
@@ -142,6 +144,12 @@ def cmd_warmup(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_serve_flags(parser: argparse.ArgumentParser) -> None:
+    for flag, (_, _, kwargs) in SERVE_FLAGS.items():
+        options = dict(kwargs)
+        parser.add_argument(flag, *options.pop("aliases", ()), default=None, **options)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kiln", description="An LLM serving stack.")
     parser.add_argument("--log-level", default="INFO", type=str.upper, choices=LOG_LEVELS)
@@ -167,8 +175,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     serve = commands.add_parser("serve", help="serve an OpenAI-compatible API (default: 127.0.0.1:8000)")
     serve.add_argument("--config", type=Path, help="YAML config (see configs/); flags override it")
-    for flag, (_, _, kwargs) in SERVE_FLAGS.items():
-        serve.add_argument(flag, default=None, **kwargs)
+    # vLLM's `vllm serve [model_tag] [options]`: the model folder may come first, as --model.
+    serve.add_argument("model_tag", nargs="?", default=None, help="model folder (wins over --model)")
+    _add_serve_flags(serve)
     serve.add_argument("--enforce-eager", action="store_true", help="run the model eagerly (no compile)")
     serve.add_argument(
         "--trust-remote-code", action="store_true", help="vLLM's; kiln runs no code from a model folder"
@@ -179,8 +188,7 @@ def build_parser() -> argparse.ArgumentParser:
         "warmup", help="build every compiled bucket into the compile cache ahead of serving"
     )
     warmup.add_argument("--config", type=Path, help="YAML config, as for kiln serve")
-    for flag, (_, _, kwargs) in SERVE_FLAGS.items():
-        warmup.add_argument(flag, default=None, **kwargs)
+    _add_serve_flags(warmup)
     warmup.add_argument("--enforce-eager", action="store_true", help="warm the eager mode's kernels only")
     warmup.add_argument(
         "--export", type=Path, metavar="FILE", help="also write the entry to one portable file"

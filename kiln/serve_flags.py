@@ -32,7 +32,8 @@ def gib(text: str) -> float:
     return human_readable_int(text) / 2**30
 
 
-# vLLM's flag -> (config section, key). Flags left unset keep the config file's value.
+# vLLM's flag -> (config section, key, argparse options; "aliases": vLLM's short forms). Flags left unset
+# keep the config file's value.
 SERVE_FLAGS: dict[str, tuple[str, str, dict]] = {
     "--model": ("model", "model", {"help": "model folder, or 'default' (SmolLM2-135M-Instruct)"}),
     "--served-model-name": ("server", "served_model_name", {"nargs": "+", "metavar": "NAME"}),
@@ -98,9 +99,9 @@ SERVE_FLAGS: dict[str, tuple[str, str, dict]] = {
         {"type": float, "help": "seconds SIGTERM waits for requests in flight (0: abort them)"},
     ),
     "--gpu-memory-utilization": ("cache", "gpu_memory_utilization", {"type": float}),
-    "--tensor-parallel-size": ("parallel", "tensor_parallel_size", {"type": int}),
-    "--pipeline-parallel-size": ("parallel", "pipeline_parallel_size", {"type": int}),
-    "--data-parallel-size": ("parallel", "data_parallel_size", {"type": int}),
+    "--tensor-parallel-size": ("parallel", "tensor_parallel_size", {"type": int, "aliases": ("-tp",)}),
+    "--pipeline-parallel-size": ("parallel", "pipeline_parallel_size", {"type": int, "aliases": ("-pp",)}),
+    "--data-parallel-size": ("parallel", "data_parallel_size", {"type": int, "aliases": ("-dp",)}),
     "--hf-overrides": (
         "model",
         "hf_overrides",

@@ -208,6 +208,8 @@ def test_vllm_capacity_and_sizing_flags() -> None:
         (["--root-path", "kiln"], "server.root_path must start with /"),
         (["--sse-keep-alive-interval", "-1"], "key 'server.sse_keep_alive_interval': Expected `int` >= 0"),
         (["--pipeline-parallel-size", "2"], "pipeline_parallel_size > 1 is not supported yet"),
+        (["-tp", "2"], "tensor_parallel_size > 1 is not supported yet"),  # vLLM's short forms
+        (["/no/such/folder"], "model folder '/no/such/folder' does not exist"),  # vllm serve MODEL
         (["--data-parallel-size", "4"], "data_parallel_size > 1 is not supported yet"),
         (["--middleware", "no.such.Thing"], "--middleware 'no.such.Thing': cannot import it"),
         (
@@ -220,3 +222,15 @@ def test_vllm_capacity_and_sizing_flags() -> None:
 def test_vllm_flag_values_refused(flags: list[str], message: str, capsys: pytest.CaptureFixture) -> None:
     assert main(["serve", *flags]) != 0
     assert message in capsys.readouterr().err
+
+
+def test_the_model_may_come_first_as_in_vllm_serve() -> None:
+    """`vllm serve MODEL [options]`: the positional model wins over --model, as vLLM's model_tag does."""
+    from kiln.cli import _load_config, build_parser
+
+    for argv, model in [
+        (["serve", "/models/a", "-tp", "1", "-pp", "1", "-dp", "1"], "/models/a"),
+        (["serve", "/models/a", "--model", "/models/b"], "/models/a"),
+        (["serve", "--model", "/models/b"], "/models/b"),
+    ]:
+        assert _load_config(build_parser().parse_args(argv)).model.model == model
