@@ -58,9 +58,13 @@ def _load_config(args: argparse.Namespace) -> ServeConfig:
 
     parser: argparse.ArgumentParser = args.parser
     overrides: dict[str, dict] = {}
+    given: dict[tuple[str, str], str] = {}  # (section, key) -> the flag that set it
     for flag, (section, key, _) in SERVE_FLAGS.items():
         value = getattr(args, flag[2:].replace("-", "_"))
         if value is not None:
+            if (section, key) in given:  # two spellings of one key (--kv-cache-gib, --kv-cache-memory-bytes)
+                parser.error(f"{given[section, key]} and {flag} both set {section}.{key}: give one")
+            given[section, key] = flag
             overrides.setdefault(section, {})[key] = value
     if getattr(args, "model_tag", None) is not None:
         overrides.setdefault("model", {})["model"] = args.model_tag

@@ -209,6 +209,10 @@ def test_vllm_capacity_and_sizing_flags() -> None:
         (["--sse-keep-alive-interval", "-1"], "key 'server.sse_keep_alive_interval': Expected `int` >= 0"),
         (["--pipeline-parallel-size", "2"], "pipeline_parallel_size > 1 is not supported yet"),
         (["-tp", "2"], "tensor_parallel_size > 1 is not supported yet"),  # vLLM's short forms
+        (
+            ["--kv-cache-gib", "1", "--kv-cache-memory-bytes", "2G"],
+            "--kv-cache-gib and --kv-cache-memory-bytes both set cache.kv_cache_gib: give one",
+        ),
         (["/no/such/folder"], "model folder '/no/such/folder' does not exist"),  # vllm serve MODEL
         (["--data-parallel-size", "4"], "data_parallel_size > 1 is not supported yet"),
         (["--middleware", "no.such.Thing"], "--middleware 'no.such.Thing': cannot import it"),
