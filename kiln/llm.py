@@ -12,6 +12,7 @@ from tqdm import tqdm
 from kiln.config import EngineConfig
 from kiln.engine.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams, advance_all
 from kiln.engine.chat_template import render_chat
+from kiln.engine.content_format import resolve_content_format, template_content
 from kiln.engine.engine import LLMEngine
 from kiln.engine.output import RequestOutput
 from kiln.engine.pooler import check_pairs, pair_scores
@@ -169,12 +170,15 @@ class LLM:
         chat_template_kwargs: dict[str, Any] | None = None,
         continue_final_message: bool = False,
         tools: list[dict[str, Any]] | None = None,
+        chat_template_content_format: str = "auto",
     ) -> list[RequestOutput]:
-        """tools: OpenAI's tool definitions, for a template that shows them to the model (vLLM's)."""
+        """tools: OpenAI's tool definitions, for a template that shows them to the model (vLLM's);
+        chat_template_content_format: as `kiln serve --chat-template-content-format`."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        fmt = chat_template_content_format
         prompts = [
             self.apply_chat_template(
-                c, add_generation_prompt, chat_template_kwargs, continue_final_message, tools
+                c, add_generation_prompt, chat_template_kwargs, continue_final_message, tools, fmt
             )
             for c in conversations
         ]
@@ -187,12 +191,16 @@ class LLM:
         chat_template_kwargs: dict[str, Any] | None = None,
         continue_final_message: bool = False,
         tools: list[dict[str, Any]] | None = None,
+        chat_template_content_format: str = "auto",
     ) -> list[int]:
         """continue_final_message: the last message left open, for the model to go on with it (then
-        add_generation_prompt must be False, as in vLLM)."""
+        add_generation_prompt must be False, as in vLLM). Each message's content reaches the template as
+        the API's does: text parts joined by newlines, or as a list for a template that loops over them."""
+        tokenizer = self.engine.tokenizer
+        fmt = resolve_content_format(chat_template_content_format, tokenizer.chat_template)
         return render_chat(
-            self.engine.tokenizer,
-            messages,
+            tokenizer,
+            [{**m, "content": template_content(_texts(m.get("content")), fmt)} for m in messages],
             add_generation_prompt,
             chat_template_kwargs,
             tools,
@@ -256,3 +264,12 @@ def _params_for(
     if len(params) != len(batch):
         raise ValueError(f"got {len(params)} sampling params for {len(batch)} prompts")
     return list(params)
+
+
+def _texts(content: str | list[dict[str, Any]] | None) -> list[str]:
+    """A message's content as its text parts (ValueError for any other kind of part)."""
+    if content is None or isinstance(content, str):
+        return [] if content is None else [content]
+    if any(part.get("type") != "text" for part in content):
+        raise ValueError("only text content parts are supported")
+    return [part.get("text") or "" for part in content]

@@ -21,7 +21,7 @@ from kiln.api.errors import APIError
 from kiln.api.protocol import ChatMessage, ChatRender, CompletionRequest, Tool, _SamplingRequest
 from kiln.engine.bad_words import MAX_BAD_WORDS
 from kiln.engine.chat_template import render_chat
-from kiln.engine.content_format import detect_content_format
+from kiln.engine.content_format import resolve_content_format, template_content
 from kiln.sampling_params import truncate_prompt
 from kiln.server_config import ServerConfig
 
@@ -224,10 +224,7 @@ def render_messages(
     for key in chat_template_kwargs or {}:
         if key in reserved:
             raise APIError(400, f"chat_template_kwargs may not set {key!r}", "chat_template_kwargs")
-    template = body.chat_template or tokenizer.chat_template
-    fmt = content_format
-    if fmt == "auto":
-        fmt = detect_content_format(template) if isinstance(template, str) else "string"
+    fmt = resolve_content_format(content_format, body.chat_template or tokenizer.chat_template)
     plain = []
     for i, m in enumerate(messages):
         content = m.content
@@ -243,8 +240,7 @@ def render_messages(
             texts = [part.text or "" for part in content]
         else:
             texts = [] if content is None else [content]
-        parts = [{"type": "text", "text": text} for text in texts]
-        message: dict[str, Any] = {"role": m.role, "content": "\n".join(texts) if fmt == "string" else parts}
+        message: dict[str, Any] = {"role": m.role, "content": template_content(texts, fmt)}
         if m.name is not None:
             message["name"] = m.name
         thought = m.reasoning if m.reasoning is not None else m.reasoning_content

@@ -7,7 +7,7 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Iterator
-from typing import Literal
+from typing import Any, Literal
 
 from jinja2 import nodes
 from transformers.utils.chat_template_utils import _compile_jinja_template
@@ -15,6 +15,21 @@ from transformers.utils.chat_template_utils import _compile_jinja_template
 log = logging.getLogger(__name__)
 
 ContentFormat = Literal["string", "openai"]
+
+
+def resolve_content_format(given: str, template: Any) -> ContentFormat:
+    """--chat-template-content-format for this template: auto detects it (a template that is not one
+    string, or none, reads strings)."""
+    if given in ("string", "openai"):
+        return given  # type: ignore[return-value]
+    if given != "auto":
+        raise ValueError(f"chat_template_content_format must be auto, string or openai, not {given!r}")
+    return detect_content_format(template) if isinstance(template, str) else "string"
+
+
+def template_content(texts: list[str], fmt: ContentFormat) -> str | list[dict[str, str]]:
+    """A message's text parts as the template reads them: joined by newlines, or as OpenAI's parts."""
+    return "\n".join(texts) if fmt == "string" else [{"type": "text", "text": t} for t in texts]
 
 
 @functools.lru_cache(maxsize=32)

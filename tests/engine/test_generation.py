@@ -380,6 +380,21 @@ def test_too_few_kv_blocks_for_max_model_len(default_model_dir: Path) -> None:
         LLM(str(default_model_dir), block_size=16, num_gpu_blocks_override=15, **ROOMY)
 
 
+def test_chat_content_parts_reach_the_template_as_the_api_gives_them(roomy: LLM) -> None:
+    """As the API (and vLLM's LLM.chat): text parts joined by newlines for SmolLM2's template, which
+    prints a message's content; the list of parts where asked (openai), which this template cannot read."""
+    parts = [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]
+    joined = [{"role": "user", "content": "a\nb"}]
+    assert roomy.apply_chat_template(parts) == roomy.apply_chat_template(joined)
+    with pytest.raises(ValueError, match="the chat template rejected these messages"):
+        roomy.apply_chat_template(parts, chat_template_content_format="openai")  # (what LLM.chat did before)
+    image = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]
+    with pytest.raises(ValueError, match="only text content parts are supported"):
+        roomy.apply_chat_template(image)
+    with pytest.raises(ValueError, match="must be auto, string or openai, not 'raw'"):
+        roomy.apply_chat_template(joined, chat_template_content_format="raw")
+
+
 def test_chat_shows_the_tools_to_the_template(roomy: LLM) -> None:
     """SmolLM2's template shows no tools, so this one, set for the test, names them."""
     tool = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}
