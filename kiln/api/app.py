@@ -6,10 +6,7 @@ import asyncio
 import contextlib
 import functools
 import logging
-import os
 import secrets
-import sys
-import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
@@ -50,6 +47,7 @@ from kiln.api.tokenize import detokenize, tokenize
 from kiln.api.tokenizer_info import tokenizer_info
 from kiln.engine.async_engine import AsyncEngine
 from kiln.engine.stats_log import log_stats
+from kiln.ops.cpu import threads
 from kiln.server_config import ServeConfig
 from kiln.version import VERSION
 
@@ -60,19 +58,6 @@ DEFAULT_MODEL_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"
 _encoder = msgspec.json.Encoder()
 
 Handler = Callable[[AsyncEngine, Inputs, Request, Any], Awaitable[Any]]
-
-
-def yield_to_engine(nice: int) -> None:
-    """Lowers this thread's priority (Linux: per thread), after the engine thread has started at the
-    process's own. Receiving a 10 MB body costs the event loop ~13 ms; a client sending them back to back
-    keeps it busy, and on a machine with as many cores as OpenMP threads the engine's threads then lose
-    their cores to it. A decode step waits for its slowest thread, so a small chat took 4x its idle time;
-    at nice 5, about 1.5x. The inputs worker, started later from this thread, inherits it."""
-    if nice and sys.platform == "linux":
-        try:
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
-        except OSError as e:
-            log.warning("could not lower the event loop's priority: %s", e)
 
 
 class App:
@@ -160,7 +145,7 @@ class App:
             self.config.server,
         )
         self.engine = engine
-        yield_to_engine(self.config.server.loop_nice)
+        threads.yield_to_engine(self.config.server.loop_nice)
         self._log_ready()
         if not self.config.server.disable_log_stats:
             every = self.config.server.log_stats_interval

@@ -8,7 +8,7 @@ from starlette.requests import Request
 from kiln.api.embeddings import pool, prompts_of
 from kiln.api.inputs import Inputs
 from kiln.api.protocol import ClassificationRequest
-from kiln.api.responses import ClassificationData, ClassificationResponse, Usage
+from kiln.api.responses import ClassificationData, DataList
 from kiln.api.serving import pooling, response_id
 from kiln.engine.async_engine import AsyncEngine
 from kiln.pooling_params import PoolingParams
@@ -16,7 +16,7 @@ from kiln.pooling_params import PoolingParams
 
 async def create_classification(
     engine: AsyncEngine, inputs: Inputs, request: Request, body: ClassificationRequest
-) -> ClassificationResponse | None:
+) -> DataList[ClassificationData] | None:
     pooling(engine, "Classification", "classify")
     assert engine.pooler is not None
     labels = engine.pooler.labels
@@ -31,5 +31,4 @@ async def create_classification(
     for i, v in enumerate(vectors):
         probs = v.tolist()
         data.append(ClassificationData(i, labels[int(v.argmax())], probs, len(probs)))
-    tokens = sum(map(len, prompts))
-    return ClassificationResponse(rid, engine.model_name, data, Usage(tokens, 0, tokens))
+    return DataList.of(rid, engine.model_name, data, sum(map(len, prompts)))

@@ -14,7 +14,7 @@ from kiln.api.errors import APIError
 from kiln.api.inputs import Inputs, prompt_list
 from kiln.api.protocol import EmbeddingRequest, _PooledInputRequest, _ScoringRequest
 from kiln.api.request_log import log_requests
-from kiln.api.responses import EmbeddingData, EmbeddingResponse, Usage
+from kiln.api.responses import DataList, EmbeddingData
 from kiln.api.serving import final_outputs, pooling, response_id, start_all
 from kiln.engine.async_engine import AsyncEngine
 from kiln.pooling_params import PoolingParams
@@ -32,7 +32,7 @@ _DTYPES = {
 
 async def create_embedding(
     engine: AsyncEngine, inputs: Inputs, request: Request, body: EmbeddingRequest
-) -> EmbeddingResponse | None:
+) -> DataList[EmbeddingData] | None:
     pooling(engine, "Embeddings", "embed")
     params = PoolingParams(dimensions=body.dimensions, use_activation=body.use_activation)
     prompts = await prompts_of(inputs, body)
@@ -41,8 +41,7 @@ async def create_embedding(
     if vectors is None:
         return None
     data = [EmbeddingData(i, encoded(v, body)) for i, v in enumerate(vectors)]
-    tokens = sum(len(p) for p in prompts)
-    return EmbeddingResponse(rid, engine.model_name, data, Usage(tokens, 0, tokens))
+    return DataList.of(rid, engine.model_name, data, sum(map(len, prompts)))
 
 
 async def pool(

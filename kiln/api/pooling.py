@@ -9,17 +9,17 @@ from kiln.api.embeddings import encoded, pool, prompts_of
 from kiln.api.errors import APIError
 from kiln.api.inputs import Inputs
 from kiln.api.protocol import PoolingRequest
-from kiln.api.responses import PoolingData, PoolingResponse, Usage
-from kiln.api.serving import response_id
+from kiln.api.responses import DataList, PoolingData
+from kiln.api.serving import pooling, response_id
 from kiln.engine.async_engine import AsyncEngine
 from kiln.pooling_params import PoolingParams
 
 
 async def create_pooling(
     engine: AsyncEngine, inputs: Inputs, request: Request, body: PoolingRequest
-) -> PoolingResponse | None:
-    if engine.pooler is None:
-        raise APIError(501, "The model does not support Pooling API")
+) -> DataList[PoolingData] | None:
+    pooling(engine, "Pooling", None)
+    assert engine.pooler is not None
     task = engine.pooler.task
     if body.dimensions is not None:  # as vLLM's /pooling
         raise APIError(400, "dimensions is currently not supported", "dimensions")
@@ -31,6 +31,5 @@ async def create_pooling(
     vectors = await pool(engine, inputs, request, body, rid, prompts, params)
     if vectors is None:
         return None
-    tokens = sum(map(len, prompts))
     data = [PoolingData(i, encoded(v, body)) for i, v in enumerate(vectors)]
-    return PoolingResponse(rid, engine.model_name, data, Usage(tokens, 0, tokens))
+    return DataList.of(rid, engine.model_name, data, sum(map(len, prompts)))

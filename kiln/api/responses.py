@@ -4,13 +4,15 @@ to JSON. A field a request did not ask for is left out where it is UNSET."""
 from __future__ import annotations
 
 import time
-from typing import Literal
+from typing import Generic, Literal, TypeVar
 
 import msgspec
 from msgspec import UNSET, UnsetType
 
 from kiln.api.protocol import ToolCall
 from kiln.engine.request import PositionLogprobs
+
+D = TypeVar("D")  # a DataList's item
 
 
 def _now() -> int:
@@ -184,28 +186,10 @@ class EmbeddingData(msgspec.Struct):
     object: Literal["embedding"] = "embedding"
 
 
-class EmbeddingResponse(msgspec.Struct):
-    id: str
-    model: str
-    data: list[EmbeddingData]
-    usage: Usage
-    object: Literal["list"] = "list"
-    created: int = msgspec.field(default_factory=_now)
-
-
 class ScoreData(msgspec.Struct):
     index: int
     score: float
     object: Literal["score"] = "score"
-
-
-class ScoreResponse(msgspec.Struct):
-    id: str
-    model: str
-    data: list[ScoreData]
-    usage: Usage
-    object: Literal["list"] = "list"
-    created: int = msgspec.field(default_factory=_now)
 
 
 class RerankDocument(msgspec.Struct):
@@ -238,25 +222,23 @@ class ClassificationData(msgspec.Struct):
     num_classes: int
 
 
-class ClassificationResponse(msgspec.Struct):
-    id: str
-    model: str
-    data: list[ClassificationData]
-    usage: Usage
-    object: Literal["list"] = "list"
-    created: int = msgspec.field(default_factory=_now)
-
-
 class PoolingData(msgspec.Struct):
     index: int
     data: list[float] | str  # base64: the values' bytes
     object: Literal["pooling"] = "pooling"
 
 
-class PoolingResponse(msgspec.Struct):
+class DataList(msgspec.Struct, Generic[D]):
+    """The pooling APIs' response (OpenAI's for embeddings, vLLM's for the rest): one data item per input,
+    and the prompt tokens they took."""
+
     id: str
     model: str
-    data: list[PoolingData]
+    data: list[D]
     usage: Usage
     object: Literal["list"] = "list"
     created: int = msgspec.field(default_factory=_now)
+
+    @classmethod
+    def of(cls, id: str, model: str, data: list[D], prompt_tokens: int) -> DataList[D]:
+        return cls(id, model, data, Usage(prompt_tokens, 0, prompt_tokens))

@@ -11,15 +11,7 @@ from kiln.api.embeddings import pool, truncated
 from kiln.api.errors import APIError
 from kiln.api.inputs import Inputs
 from kiln.api.protocol import RerankRequest, ScoreRequest, _ScoringRequest
-from kiln.api.responses import (
-    RerankDocument,
-    RerankResponse,
-    RerankResult,
-    RerankUsage,
-    ScoreData,
-    ScoreResponse,
-    Usage,
-)
+from kiln.api.responses import DataList, RerankDocument, RerankResponse, RerankResult, RerankUsage, ScoreData
 from kiln.api.serving import pooling, response_id
 from kiln.engine.async_engine import AsyncEngine
 from kiln.engine.pooler import check_pairs, pair_scores
@@ -30,7 +22,7 @@ _PAIRS = (("queries", "documents"), ("queries", "items"), ("data_1", "data_2"), 
 
 async def create_score(
     engine: AsyncEngine, inputs: Inputs, request: Request, body: ScoreRequest
-) -> ScoreResponse | None:
+) -> DataList[ScoreData] | None:
     pooling(engine, "Score", "embed")
     given = [(a, b) for a, b in _PAIRS if getattr(body, a) is not None and getattr(body, b) is not None]
     if len(given) != 1 or sum(getattr(body, f) is not None for f in {f for p in _PAIRS for f in p}) != 2:
@@ -43,7 +35,7 @@ async def create_score(
         return None
     rid, scores, tokens = scored
     data = [ScoreData(i, s) for i, s in enumerate(scores)]
-    return ScoreResponse(rid, engine.model_name, data, Usage(tokens, 0, tokens))
+    return DataList.of(rid, engine.model_name, data, tokens)
 
 
 async def create_rerank(

@@ -16,9 +16,10 @@ from starlette.requests import Request
 from kiln.api.errors import APIError
 from kiln.api.inputs import Inputs
 from kiln.api.protocol import _PooledInputRequest, _SamplingRequest, _ScoringRequest
-from kiln.engine.async_engine import AsyncEngine, RequestStream
+from kiln.engine.async_engine import AsyncEngine
 from kiln.engine.output import RequestOutput, merge
 from kiln.engine.request import PositionLogprobs
+from kiln.engine.request_stream import RequestStream
 from kiln.pooling_params import PoolingParams
 from kiln.sampling_params import SamplingParams, StructuredOutputsParams
 
@@ -140,10 +141,10 @@ def generating(engine: AsyncEngine, api: str) -> None:
         raise APIError(501, f"The model does not support {api} API")
 
 
-def pooling(engine: AsyncEngine, api: str, task: str = "embed") -> None:
-    """A pooling API of another task than the model's (embed: embeddings and scores; classify), or of a
-    generating model, answers 501, as vLLM's."""
-    if engine.pooler is None or engine.pooler.task != task:
+def pooling(engine: AsyncEngine, api: str, task: str | None = "embed") -> None:
+    """A pooling API of another task than the model's (embed: embeddings and scores; classify; None: any,
+    as /pooling), or of a generating model, answers 501, as vLLM's."""
+    if engine.pooler is None or task not in (None, engine.pooler.task):
         raise APIError(501, f"The model does not support {api} API")
 
 

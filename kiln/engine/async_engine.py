@@ -10,7 +10,7 @@ import logging
 import queue
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -19,9 +19,10 @@ from kiln.engine.admission import Admission
 from kiln.engine.bad_words import BadWords
 from kiln.engine.engine import LLMEngine
 from kiln.engine.metrics import Metrics
-from kiln.engine.output import RequestOutput, merge
+from kiln.engine.output import RequestOutput
 from kiln.engine.pooler import Pooler
 from kiln.engine.queue_limits import Overloaded, QueueLimits
+from kiln.engine.request_stream import RequestStream
 from kiln.engine.tokenizer import load_tokenizer
 from kiln.pooling_params import PoolingParams
 from kiln.sampling_params import SamplingParams, StructuredOutputsParams
@@ -49,46 +50,6 @@ class _Abort:
 
 
 _STOP = object()
-
-
-@dataclass(slots=True, eq=False)
-class RequestStream:
-    """The outputs of one request, as an async iterator of deltas; a reader that falls behind gets what
-    it missed merged into one. `close()` aborts the request if it has not finished."""
-
-    request_id: str
-    engine: AsyncEngine
-    params: SamplingParams | PoolingParams
-    queue: asyncio.Queue[RequestOutput | BaseException] = field(default_factory=asyncio.Queue)
-    arrival: float = field(default_factory=time.monotonic)
-    first_token_at: float = 0.0
-    last_token_at: float = 0.0
-    num_tokens: int = 0
-    finished: bool = False
-    seqs: int = 1  # sequences it runs (n), for scheduler.max_num_queued_reqs
-    prefill_tokens: int = 0  # prompt tokens x n until its first output, for max_num_queued_tokens
-
-    def __aiter__(self) -> RequestStream:
-        return self
-
-    async def __anext__(self) -> RequestOutput:
-        if self.finished:
-            raise StopAsyncIteration
-        items = [await self.queue.get()]
-        while not self.queue.empty():
-            items.append(self.queue.get_nowait())
-        error = next((i for i in items if isinstance(i, BaseException)), None)
-        if error is not None:
-            self.finished = True
-            raise error
-        out = merge(items)  # type: ignore[arg-type]
-        self.finished = out.finished
-        return out
-
-    def close(self) -> None:
-        if not self.finished:
-            self.finished = True
-            self.engine.abort(self.request_id)
 
 
 class AsyncEngine:
@@ -158,14 +119,14 @@ class AsyncEngine:
         admission.check_options(priority, cache_salt)
         bad_words = admission.check_params(params)
         admission.check_prompt(prompt_ids, isinstance(params, PoolingParams))
-        seqs = params.n if isinstance(params, SamplingParams) else 1
-        tokens = len(prompt_ids) * seqs  # as vLLM counts its n sequences
+        stream = RequestStream(request_id, self.abort, params)
+        tokens = len(prompt_ids) * stream.seqs  # as vLLM counts its n sequences
         try:
-            self._queue.join(seqs, tokens)
+            self._queue.join(stream.seqs, tokens)
         except Overloaded as e:
             self.metrics.rejected(e.reason)
             raise
-        stream = RequestStream(request_id, self, params, seqs=seqs, prefill_tokens=tokens)
+        stream.prefill_tokens = tokens
         self._streams[request_id] = stream
         self._commands.put(_Add(request_id, prompt_ids, params, priority, cache_salt, bad_words))
         return stream

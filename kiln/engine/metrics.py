@@ -11,6 +11,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 
 from kiln.engine.grammar import COMPILE_BUCKETS
+from kiln.engine.queue_limits import REASONS
 
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1, 2.5, 5, 10, 20, 40, 80)
 ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1, 2.5, 5, 10, 20, 40)
@@ -110,7 +111,7 @@ class Metrics:
         self.max_tokens = per_request("params_max_tokens", "A request's max_tokens.", tokens)
         # vLLM's: requests refused by the scheduler's queue limits (a 503), by the limit; both start at 0.
         self._rejected = counter("admission_rejections", "Requests over a queue limit.", ("reason",))
-        for reason in ("max_num_queued_reqs", "max_num_queued_tokens"):
+        for reason in REASONS:
             self._rejected.labels(model_name, reason)
         self.model_name = model_name
 

@@ -5,14 +5,16 @@ from __future__ import annotations
 
 from kiln.config import SchedulerConfig
 
+# Each limit's key, vLLM's label for its rejections, and what its 503 says of the engine.
+REASONS = {
+    "max_num_queued_reqs": "is currently busy and cannot accept new requests",
+    "max_num_queued_tokens": "has reached its prefill token backlog limit",
+}
+
 
 class Overloaded(RuntimeError):
     def __init__(self, reason: str) -> None:
-        what = (
-            "is currently busy and cannot accept new requests"
-            if reason == "max_num_queued_reqs"
-            else "has reached its prefill token backlog limit"
-        )
+        what = REASONS[reason]
         super().__init__(f"The engine {what}. Please try again later or on a different instance.")
         self.reason = reason  # the limit: its key, vLLM's metric label
 

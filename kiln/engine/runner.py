@@ -21,7 +21,8 @@ from kiln.engine.token_counts import TokenCounts
 from kiln.models.decoder import DecoderModel
 from kiln.ops.attention import AttnMetadata, StepLayout
 from kiln.ops.backend import TORCH_BACKEND, Backend
-from kiln.ops.sampler import Sampler, logprobs_in_chunks
+from kiln.ops.logprobs import logprobs_in_chunks
+from kiln.ops.sampler import Sampler
 from kiln.ops.sampling_metadata import SamplingMetadata
 from kiln.ops.transfer import to_device
 from kiln.platform import keep_freed_memory

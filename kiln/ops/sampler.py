@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from kiln.config import LogprobsMode
+from kiln.ops.logprobs import compute_logprobs
 from kiln.ops.sampling_metadata import SamplingMetadata
 from kiln.ops.transfer import to_device
 
@@ -54,6 +55,7 @@ class Sampler:
         self.mask = mask or apply_bitmask
         self.argmax = argmax
         self.logprobs_mode = logprobs_mode
+        self.processed = logprobs_mode.startswith("processed")
         self.as_logits = logprobs_mode.endswith("logits")
 
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
@@ -80,7 +82,7 @@ class Sampler:
             token_ids = torch.where(meta.greedy, token_ids, self.draw(processed, meta, self.generator))
         if not meta.want_logprobs:
             return SamplerOutput(token_ids, None, None, None)
-        source = filtered(processed, meta) if self.logprobs_mode.startswith("processed") else logits
+        source = filtered(processed, meta) if self.processed else logits
         logprobs = compute_logprobs(source, token_ids, meta.max_logprobs, self.as_logits)
         return SamplerOutput(token_ids, *logprobs)
 
@@ -279,34 +281,3 @@ def _top_k_top_p(
         cut = (mass_before >= top_p[:, None]) & (top_p[:, None] < 1.0)
         sorted_logits.masked_fill_(cut, float("-inf"))
     return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
-
-
-def compute_logprobs(
-    logits: torch.Tensor, token_ids: torch.Tensor, k: int, as_logits: bool = False
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """log_softmax of logits [N,V] (as_logits: the logits themselves); returns (ids [N,1+k], values
-    [N,1+k], ranks [N]).
-
-    Each row lists the given token first, then the top-k; rank is 1 + the number of tokens with a
-    strictly greater value.
-    """
-    logprobs = logits.float() if as_logits else logits.float().log_softmax(dim=-1)
-    token_ids = token_ids.long()[:, None]
-    chosen = logprobs.gather(-1, token_ids)
-    ranks = (logprobs > chosen).sum(dim=-1) + 1
-    top_values, top_ids = logprobs.topk(k, dim=-1)
-    return torch.cat([token_ids, top_ids], dim=1), torch.cat([chosen, top_values], dim=1), ranks
-
-
-def logprobs_in_chunks(
-    logits_of: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor, token_ids: torch.Tensor, k: int,
-    rows: int, as_logits: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
-    """compute_logprobs of hidden states' logits, `rows` at a time: a chunk's logits, log-softmax and
-    comparison take 9 bytes a vocabulary entry (2.8 GB for 2,048 rows at a vocabulary of 152k). The runner
-    takes max_num_seqs rows, below the sampler's largest draw, which the GPU memory profile counts."""
-    parts = [
-        compute_logprobs(logits_of(hidden[a : a + rows]), token_ids[a : a + rows], k, as_logits)
-        for a in range(0, len(hidden), rows)
-    ]
-    return tuple(torch.cat(p) for p in zip(*parts, strict=True))  # type: ignore[return-value]

@@ -6,12 +6,12 @@ import msgspec
 import pytest
 import torch
 
+from kiln.ops.logprobs import compute_logprobs
 from kiln.ops.sampler import (
     Sampler,
     _draw_among_candidates,
     _top_k_top_p,
     apply_penalties,
-    compute_logprobs,
 )
 from kiln.ops.sampling_metadata import Penalties, SamplingMetadata
 from kiln.sampling_params import SamplingParams

@@ -1,4 +1,5 @@
-"""Pins the engine thread's OpenMP team, one thread per CPU, as vLLM's VLLM_CPU_OMP_THREADS_BIND does.
+"""Keeps the engine thread's OpenMP team on its cores: pins it, one thread per CPU, as vLLM's
+VLLM_CPU_OMP_THREADS_BIND does, and lowers the event loop's priority below it (yield_to_engine).
 
 Unpinned, Linux may put both of the team's threads on one core whenever a third thread wants a core (a
 grammar compiling, the event loop): every barrier then waits out a spin-wait, and an 11 ms decode step
@@ -9,6 +10,8 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
+import threading
 from pathlib import Path
 
 import torch
@@ -67,3 +70,16 @@ def bind(cpus: list[int]) -> None:
         return
     torch.ops.kiln_cpu.bind_threads(cpus)
     log.info("OpenMP threads pinned to CPUs %s", cpus)
+
+
+def yield_to_engine(nice: int) -> None:
+    """Lowers this thread's priority (Linux: per thread), after the engine thread has started at the
+    process's own. Receiving a 10 MB body costs the event loop ~13 ms; a client sending them back to back
+    keeps it busy, and on a machine with as many cores as OpenMP threads the engine's threads then lose
+    their cores to it. A decode step waits for its slowest thread, so a small chat took 4x its idle time;
+    at nice 5, about 1.5x. The inputs worker, started later from this thread, inherits it."""
+    if nice and sys.platform == "linux":
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
+        except OSError as e:
+            log.warning("could not lower the event loop's priority: %s", e)
