@@ -9,6 +9,7 @@ if TYPE_CHECKING:
     from kiln.engine.beam_search import BeamSearchParams
     from kiln.engine.output import CompletionOutput, RequestOutput
     from kiln.llm import LLM
+    from kiln.lora_request import LoRARequest
     from kiln.pooling_params import PoolingParams
     from kiln.sampling_params import SamplingParams
 
@@ -16,6 +17,7 @@ __all__ = [
     "LLM",
     "BeamSearchParams",
     "CompletionOutput",
+    "LoRARequest",
     "PoolingParams",
     "RequestOutput",
     "SamplingParams",
@@ -28,6 +30,7 @@ _LAZY = {
     "BeamSearchParams": "kiln.engine.beam_search",
     "CompletionOutput": "kiln.engine.output",
     "RequestOutput": "kiln.engine.output",
+    "LoRARequest": "kiln.lora_request",
     "SamplingParams": "kiln.sampling_params",
     "PoolingParams": "kiln.pooling_params",
 }

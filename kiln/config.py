@@ -167,6 +167,23 @@ class ParallelConfig(_Section):
     data_parallel_size: Annotated[int, Meta(ge=1)] = 1
 
 
+class LoraConfig(_Section):
+    """vLLM's LoRA options: with enable_lora, every attention and dense MLP projection has max_loras adapter
+    slots of rank max_lora_rank (the most adapters one step runs, and the largest rank served)."""
+
+    enable_lora: bool = False
+    max_loras: Annotated[int, Meta(ge=1)] = 1
+    max_lora_rank: Literal[1, 8, 16, 32, 64, 128, 256, 320, 512] = 16
+    max_cpu_loras: Annotated[int, Meta(ge=1)] | None = None  # adapters kept on the host (null: max_loras)
+    # The adapters' dtype in the slots; auto: the activations' (kiln adds them to the activations there).
+    lora_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    fully_sharded_loras: bool = False  # a tensor-parallel layout: one device has nothing to shard
+
+    def __post_init__(self) -> None:
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})")
+
+
 class CompileConfig(_Section):
     # auto: cudagraph on CUDA (compiled layers, decode steps replayed as CUDA graphs), compiled on a CPU.
     mode: Literal["auto", "eager", "compiled", "cudagraph"] = "auto"
@@ -207,6 +224,7 @@ class EngineConfig(_Section):
     compile: CompileConfig = msgspec.field(default_factory=CompileConfig)
     parallel: ParallelConfig = msgspec.field(default_factory=ParallelConfig)
     backend: BackendConfig = msgspec.field(default_factory=BackendConfig)
+    lora: LoraConfig = msgspec.field(default_factory=LoraConfig)
 
     def check_supported(self) -> None:
         """Knobs kept for vLLM compatibility but not built yet fail loudly rather than being ignored."""
@@ -241,4 +259,5 @@ _SECTIONS: dict[str, type[_Section]] = {
     "compile": CompileConfig,
     "parallel": ParallelConfig,
     "backend": BackendConfig,
+    "lora": LoraConfig,
 }

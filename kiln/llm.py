@@ -16,6 +16,7 @@ from kiln.engine.content_format import resolve_content_format, template_content
 from kiln.engine.engine import LLMEngine
 from kiln.engine.output import RequestOutput
 from kiln.engine.pooler import check_pairs, pair_scores
+from kiln.lora_request import LoRARequest
 from kiln.pooling_output import (
     ClassificationOutput,
     ClassificationRequestOutput,
@@ -48,13 +49,15 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         priority: list[int] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Prompts: strings, token-id lists, or vLLM's dicts ({"prompt": ...} or {"prompt_token_ids": ...},
         with an optional "cache_salt"); outputs keep their order. priority: one per prompt, smaller first
-        (the engine's scheduler.policy must be "priority")."""
+        (the engine's scheduler.policy must be "priority"). lora_request: the LoRA adapter of every prompt,
+        or one per prompt (the engine made with enable_lora=True)."""
         batch = _as_batch(prompts)
         params = _params_for(batch, sampling_params, self.engine.sampling_defaults)
-        return self._run(self._add(batch, params, priority), use_tqdm)
+        return self._run(self._add(batch, params, priority, lora_request), use_tqdm)
 
     def embed(
         self,
@@ -62,6 +65,7 @@ class LLM:
         pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
         use_tqdm: bool = True,
         priority: list[int] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[EmbeddingRequestOutput]:
         """vLLM's, for a pooling model (runner="pooling"): each prompt's embedding (prompts as generate)."""
         batch = _as_batch(prompts)
@@ -71,7 +75,7 @@ class LLM:
             raise ValueError(f"got {len(pooling_params)} pooling params for {len(batch)} prompts")
         else:
             params = list(pooling_params)
-        outputs = self._run(self._add(batch, params, priority), use_tqdm)
+        outputs = self._run(self._add(batch, params, priority, lora_request), use_tqdm)
         return [_pooled(o, EmbeddingOutput(_vector(o).tolist())) for o in outputs]
 
     def score(
@@ -110,15 +114,18 @@ class LLM:
         batch: list[tuple[str | list[int], str | None]],
         params: Sequence[SamplingParams | PoolingParams],
         priority: list[int] | None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[str]:
         """Queues the batch; its request ids. A bad prompt leaves nothing of the call queued."""
         if priority is not None and len(priority) != len(batch):
             raise ValueError(f"got {len(priority)} priorities for {len(batch)} prompts")
+        loras = _per_prompt(lora_request, len(batch))
         ids = [f"offline-{next(self._ids)}" for _ in batch]
         added: list[str] = []
         try:
             for i, (rid, (prompt, salt), p) in enumerate(zip(ids, batch, params, strict=True)):
-                self.engine.add_request(rid, prompt, p, 0 if priority is None else priority[i], salt)
+                rank = 0 if priority is None else priority[i]
+                self.engine.add_request(rid, prompt, p, rank, salt, lora=loras[i])
                 added.append(rid)
         except Exception:
             for rid in added:
@@ -171,9 +178,11 @@ class LLM:
         continue_final_message: bool = False,
         tools: list[dict[str, Any]] | None = None,
         chat_template_content_format: str = "auto",
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """tools: OpenAI's tool definitions, for a template that shows them to the model (vLLM's);
-        chat_template_content_format: as `kiln serve --chat-template-content-format`."""
+        chat_template_content_format: as `kiln serve --chat-template-content-format`; lora_request: as
+        generate's, one per conversation."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         fmt = chat_template_content_format
         prompts = [
@@ -182,7 +191,7 @@ class LLM:
             )
             for c in conversations
         ]
-        return self.generate(prompts, sampling_params, use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm, lora_request=lora_request)
 
     def apply_chat_template(
         self,
@@ -264,6 +273,16 @@ def _params_for(
     if len(params) != len(batch):
         raise ValueError(f"got {len(params)} sampling params for {len(batch)} prompts")
     return list(params)
+
+
+def _per_prompt(
+    lora_request: LoRARequest | Sequence[LoRARequest | None] | None, n: int
+) -> list[LoRARequest | None]:
+    if lora_request is None or isinstance(lora_request, LoRARequest):
+        return [lora_request] * n
+    if len(lora_request) != n:
+        raise ValueError(f"got {len(lora_request)} LoRA requests for {n} prompts")
+    return list(lora_request)
 
 
 def _texts(content: str | list[dict[str, Any]] | None) -> list[str]:

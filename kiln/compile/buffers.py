@@ -14,6 +14,7 @@ class StepBuffers:
         self.input_ids = np.zeros(max_tokens, dtype=np.int64)
         self.positions = np.zeros(max_tokens, dtype=np.int64)
         self.slot_mapping = np.zeros(max_tokens, dtype=np.int64)
+        self.lora_slots = np.full(max_tokens, -1, dtype=np.int64)  # each token's adapter slot, -1: none
         # One spare row: a mixed step of one request gets an empty second one (Lowering.pad).
         self.query_start_loc = np.zeros(max_seqs + 2, dtype=np.int32)
         self.seq_lens = np.zeros(max_seqs + 1, dtype=np.int32)

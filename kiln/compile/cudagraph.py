@@ -25,15 +25,11 @@ class _Graph:
 
 
 def _step_tensors(args: tuple[Any, ...]) -> list[torch.Tensor]:
-    input_ids, positions, _, meta = args
-    return [
-        input_ids,
-        positions,
-        meta.slot_mapping,
-        meta.query_start_loc,
-        meta.seq_lens,
-        meta.block_table,
-    ]
+    """The model's step arguments but the KV caches: ids, positions, the attention metadata's tensors, and
+    the tokens' LoRA slots where the model has them."""
+    input_ids, positions, _, meta, lora_slots = args
+    tensors = [input_ids, positions, meta.slot_mapping, meta.query_start_loc, meta.seq_lens, meta.block_table]
+    return tensors if lora_slots is None else [*tensors, lora_slots]
 
 
 class CudaGraphs:
@@ -65,8 +61,8 @@ class CudaGraphs:
         the attention backend for this batch, so the recorded kernels read the planned buffers."""
         kv_caches, meta = args[2], args[3]
         static = self._static(_step_tensors(args))
-        static_meta = AttnMetadata(*static[2:], decode_only=meta.decode_only)
-        static_args = (static[0], static[1], kv_caches, static_meta)
+        static_meta = AttnMetadata(*static[2:6], decode_only=meta.decode_only)
+        static_args = (static[0], static[1], kv_caches, static_meta, static[6] if len(static) > 6 else None)
         forward(*static_args)
         torch.cuda.synchronize()
         clock = time.perf_counter()

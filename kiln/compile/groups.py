@@ -29,10 +29,12 @@ class LayerGroups:
     def __call__(
         self, layers: tuple[torch.nn.Module, ...], x: torch.Tensor, residual: torch.Tensor,
         positions: torch.Tensor, cos_sin: torch.Tensor | None, kv_caches: tuple[torch.Tensor, ...], meta: Any,
+        lora_mask: torch.Tensor | None,
     ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
         n = self.size
         for step, i in zip(self.steps, range(0, len(layers), n), strict=True):
-            x, residual = step(layers[i : i + n], x, residual, positions, cos_sin, kv_caches[i : i + n], meta)
+            kv = kv_caches[i : i + n]
+            x, residual = step(layers[i : i + n], x, residual, positions, cos_sin, kv, meta, lora_mask)
         return x, residual
 
 
@@ -73,6 +75,7 @@ def mark_step_dims(args: tuple[Any, ...]) -> None:
     tracing spent most of its time on them."""
     for index, field, dim in _MARKS:
         value = args[index] if field is None else getattr(args[index], field)
-        torch._dynamo.maybe_mark_dynamic(value, dim)
+        if value is not None:  # a model without LoRA slots has no mask
+            torch._dynamo.maybe_mark_dynamic(value, dim)
     for cache in args[_KV_CACHES]:
         torch._dynamo.maybe_mark_dynamic(cache, 0)

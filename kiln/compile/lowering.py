@@ -154,6 +154,7 @@ class Lowering:
         buf.input_ids[pad] = 0
         buf.positions[pad] = 0
         buf.slot_mapping[pad] = -1
+        buf.lora_slots[pad] = -1
         buf.query_start_loc[num_reqs + 1 : graph + 1] = np.arange(num_reqs + 1, graph + 1)
         buf.seq_lens[pad] = 1
         buf.fill_blocks(pad, buf.padding_block)
@@ -237,6 +238,7 @@ class Lowering:
                 "decode_sizes": self.plan.decode_sizes,
                 "token_sizes": self.plan.token_sizes,
                 "block_size": block_size,
+                "lora": None if m.lora is None else [m.lora.max_loras, m.lora.max_rank],
             },
         }
 

@@ -36,17 +36,17 @@ class BlockManager:
 
     def update_hashes(self, req: Request) -> None:
         """Extends req.block_hashes over every full block of its tokens: SHA-256 of (parent hash, tokens),
-        the first block's parent being the request's cache_salt. SHA-256 (vLLM's default), not Python's
-        hash: a tuple of ints hashes without a secret key by invertible steps, so a client could craft
-        blocks that hash as a common prompt's (a known system prompt) and poison what later requests with
-        it are served."""
+        the first block's parent being the request's hash_root (its cache_salt and adapter). SHA-256
+        (vLLM's default), not Python's hash: a tuple of ints hashes without a secret key by invertible
+        steps, so a client could craft blocks that hash as a common prompt's (a known system prompt) and
+        poison what later requests with it are served."""
         bs = self.block_size
         start, end = len(req.block_hashes), req.num_tokens // bs
         if start == end:
             return
         tokens = array("q", req.token_ids[start * bs : end * bs]).tobytes()
         width = bs * 8  # bytes of a block's ids
-        parent = req.block_hashes[-1] if req.block_hashes else req.cache_salt.encode()
+        parent = req.block_hashes[-1] if req.block_hashes else req.hash_root
         for i in range(end - start):
             parent = hashlib.sha256(parent + tokens[i * width : (i + 1) * width]).digest()
             req.block_hashes.append(parent)

@@ -80,6 +80,7 @@ class DummySteps:
         buf.input_ids[:size] = 0
         buf.positions[:size] = 0
         buf.slot_mapping[:size] = -1
+        buf.lora_slots[:size] = -1
         buf.query_start_loc[: n + 1] = cu
         buf.seq_lens[:n] = q_lens
         buf.fill_blocks(slice(0, n), 0)

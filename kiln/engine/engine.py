@@ -28,7 +28,10 @@ from kiln.engine.scheduler import ScheduledBatch, Scheduler
 from kiln.engine.step_result import StepResult
 from kiln.engine.thinking import ThinkTags
 from kiln.engine.tokenizer import eos_token_ids, load_tokenizer, sampling_defaults
+from kiln.lora_request import LoRARequest
 from kiln.models.loader import inspect_model, load_model, resolve_model
+from kiln.models.lora import LoraDims
+from kiln.models.lora_adapter import Adapter
 from kiln.models.registry import headless
 from kiln.ops.backend import choose_backend
 from kiln.ops.cpu import threads
@@ -38,6 +41,8 @@ from kiln.pooling_params import PoolingParams
 from kiln.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
+
+_DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 class LLMEngine:
@@ -89,6 +94,8 @@ class LLMEngine:
         kernels = self.backend.layer_kernels(device, dtype)
         built = time.perf_counter() - start
         dummy = config.model.load_format == "dummy"
+        lo = config.lora
+        lora = LoraDims(lo.max_loras, lo.max_lora_rank, _DTYPES[lo.lora_dtype]) if lo.enable_lora else None
         self.model = load_model(
             path,
             config.model.dtype,
@@ -97,6 +104,7 @@ class LLMEngine:
             attention,
             dummy=dummy,
             hf_overrides=config.model.hf_overrides,
+            lora=lora,
         )
         self.timings = {"kernels": built, "weights": time.perf_counter() - clock - built}
         clock = time.perf_counter()
@@ -142,7 +150,7 @@ class LLMEngine:
             num_blocks, config.cache.block_size, config.cache.enable_prefix_caching
         )
         chunk = config.scheduler.prefill_chunk(device.type, self.backend.tiles(dtype))
-        self.scheduler = Scheduler(config.scheduler, self.block_manager, chunk)
+        self.scheduler = Scheduler(config.scheduler, self.block_manager, chunk, lora and lora.max_loras)
         self.async_scheduling = config.scheduler.use_async(device.type)
         self.in_flight: StepResult | None = None  # the launched step whose outputs are not yet processed
         self.output = OutputProcessor(self.tokenizer, self.eos_token_ids, self.scheduler.finish)
@@ -187,12 +195,14 @@ class LLMEngine:
         priority: int = 0,
         cache_salt: str | None = None,
         checked: BadWords | None = None,
+        lora: LoRARequest | None = None,
     ) -> None:
         """Validates, then queues; raises ValueError (and queues nothing) for a bad prompt, params or
         options. PoolingParams ask for the prompt's embedding (a pooling model's only kind of request).
         priority: smaller is scheduled sooner (policy "priority"); cache_salt: only requests with the same
         salt share prefix-cache blocks. checked: what Admission.check_params returned for these
-        params and options, where a caller checked them already (AsyncEngine, on its event loop)."""
+        params and options, where a caller checked them already (AsyncEngine, on its event loop). lora:
+        the adapter it runs with (read now, unless the engine holds it)."""
         if request_id in self.output.parents:
             raise ValueError(f"request id {request_id!r} is already in use")
         admission = self.admission
@@ -200,15 +210,25 @@ class LLMEngine:
         if bad_words is None:
             admission.check_options(priority, cache_salt)
             bad_words = admission.check_params(params)
+        if lora is not None:
+            self.load_lora(lora)
         ids = admission.tokenize(prompt, params)
         if isinstance(params, PoolingParams):
             children = [admission.pooled_request(request_id, ids, params, priority, cache_salt)]
         else:
             children = admission.requests(request_id, ids, params, bad_words, priority, cache_salt)
+        for child in children:
+            child.lora = lora
         parent = Parent(request_id, prompt if isinstance(prompt, str) else None, children)
         self.output.parents[request_id] = parent
         for child in children:
             self.scheduler.add(child)
+
+    def load_lora(self, lora: LoRARequest) -> Adapter:
+        """Reads and checks an adapter (ValueError), or finds it held."""
+        if self.runner.loras is None:
+            raise ValueError(f"LoRA adapter {lora.lora_name!r}: LoRA is not enabled (--enable-lora)")
+        return self.runner.loras.load(lora)
 
     def abort(self, request_id: str) -> None:
         parent = self.output.parents.pop(request_id, None)

@@ -10,6 +10,7 @@ from kiln.engine.detokenizer import SequenceText
 from kiln.engine.grammar import SequenceGrammar
 from kiln.engine.pooler import Pooling
 from kiln.engine.thinking import Thinking
+from kiln.lora_request import LoRARequest
 from kiln.sampling_params import SamplingParams
 
 
@@ -55,6 +56,7 @@ class Request:
     priority: int = 0
     arrival: int = 0
     cache_salt: str = ""
+    lora: LoRARequest | None = None  # the LoRA adapter it runs with
     status: Status = Status.WAITING
     num_computed_tokens: int = 0
     num_pending: int = 0
@@ -76,6 +78,13 @@ class Request:
     def __post_init__(self) -> None:
         self.prompt_token_ids = self.token_ids[: self.num_prompt_tokens]
         self.bad_prefixes = any(len(w) > 1 for w in self.bad_words)
+
+    @property
+    def hash_root(self) -> bytes:
+        """The parent of its first block's hash: blocks are shared only under one salt and one adapter. No
+        salt's UTF-8 holds the byte 0xff, so none can pass for an adapter's."""
+        salt = self.cache_salt.encode()
+        return salt if self.lora is None else b"\xfflora %d\xff" % self.lora.lora_int_id + salt
 
     @property
     def num_tokens(self) -> int:

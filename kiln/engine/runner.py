@@ -14,6 +14,7 @@ from kiln.compile.buffers import StepBuffers
 from kiln.compile.lowering import Lowering
 from kiln.config import EngineConfig
 from kiln.engine.grammar import Grammars
+from kiln.engine.lora_slots import LoraSlots
 from kiln.engine.request import Request
 from kiln.engine.scheduler import ScheduledBatch
 from kiln.engine.step_result import PromptLogprobs, StepResult
@@ -70,6 +71,7 @@ class ModelRunner:
         self.last_tokens = torch.zeros(0, dtype=torch.int64, device=self.device)
         self.last_rows: dict[Request, int] = {}
         self.lowering = Lowering(model, config.compile.mode, BucketPlan.from_config(config), backend)
+        self.loras = None if model.lora is None else LoraSlots(model, config.lora.max_cpu_loras)
 
     def allocate_kv(self, num_blocks: int) -> None:
         """One block more than the block manager hands out: padding slots (-1) land there (see write_kv)."""
@@ -119,6 +121,8 @@ class ModelRunner:
         )
         buf.query_start_loc[: num_reqs + 1] = cu_np
         buf.seq_lens[:num_reqs] = starts_np + num_new
+        if self.loras is not None:
+            buf.lora_slots[:num_tokens] = np.repeat(self.loras.assign([r.lora for r in reqs]), num_new)
         hidden = self.forward(num_tokens, num_reqs, bool((num_new == 1).all()), pending)
         if land is not None:
             land()
@@ -214,7 +218,8 @@ class ModelRunner:
             self._tensor(layout.seq_lens), table, decode_only,
         )  # fmt: skip
         ids, positions = self._tensor(buf.input_ids[:num_tokens]), self._tensor(buf.positions[:num_tokens])
-        return num_tokens, (ids, positions, self.kv_caches, meta)
+        lora = None if self.loras is None else self._tensor(buf.lora_slots[:num_tokens])
+        return num_tokens, (ids, positions, self.kv_caches, meta, lora)
 
     def _prompt_logprobs(
         self, reqs: list[Request], starts: list[int], new: list[int], cu: list[int], hidden: torch.Tensor

@@ -35,8 +35,12 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager, chunk: int) -> None:
+    def __init__(
+        self, config: SchedulerConfig, block_manager: BlockManager, chunk: int, max_loras: int | None = None
+    ) -> None:
+        """max_loras: the most LoRA adapters the running requests may use at once (the model's slots)."""
         self.max_num_seqs = config.max_num_seqs
+        self.max_loras = max_loras
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.chunk = chunk
         self.chunked = config.enable_chunked_prefill
@@ -93,14 +97,21 @@ class Scheduler:
                 budget -= num_new
                 i += 1
         # After a preemption there is no room to spare: admitting would only thrash. A request whose grammar
-        # is still compiling keeps its place in the queue while those behind it go ahead.
+        # is still compiling, or whose adapter would be one more than the slots, keeps its place in the queue
+        # while those behind it go ahead (vLLM's rule for adapters).
         skipped: list[Request] = []
+        loras = {r.lora.lora_int_id for r in self.running if r.lora is not None} if self.max_loras else set()
         while (
             self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not batch.num_preempted
         ):
             req = self.waiting[0]
             # (A request preempted with a token in flight waits for it: it is landed before the next step.)
-            if req.num_pending or (req.grammar is not None and not req.grammar.ready):
+            new_lora = req.lora is not None and req.lora.lora_int_id not in loras
+            if (
+                req.num_pending
+                or (req.grammar is not None and not req.grammar.ready)
+                or (new_lora and len(loras) >= (self.max_loras or 0))
+            ):
                 skipped.append(self.waiting.popleft())
                 continue
             if req.num_computed_tokens == 0 and (req.pooling is None or req.pooling.reads_cache):
@@ -119,6 +130,8 @@ class Scheduler:
                 req.num_cached_tokens = req.num_computed_tokens
                 req.scheduled_at = time.monotonic()
             req.status = Status.RUNNING
+            if req.lora is not None:
+                loras.add(req.lora.lora_int_id)
             self.running.append(req)
             batch.requests.append(req)
             batch.num_new_tokens.append(num_new)

@@ -7,6 +7,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
+from kiln.models.lora import LoraDims, LoraStack, slot_mask
 from kiln.models.spec import ArchSpec, ModelDims
 from kiln.ops.activation import ACTIVATIONS
 from kiln.ops.attention import AttentionImpl, AttnMetadata
@@ -39,14 +40,14 @@ class Norm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, d: ModelDims, kernels: Kernels, impl: AttentionImpl) -> None:
+    def __init__(self, d: ModelDims, kernels: Kernels, impl: AttentionImpl, lora: LoraDims | None) -> None:
         super().__init__()
         self.kernels, self.impl = kernels, impl
         self.num_heads, self.num_kv_heads, self.head_dim = d.num_heads, d.num_kv_heads, d.head_dim
-        self.q_size, self.kv_size = d.num_heads * d.head_dim, d.num_kv_heads * d.head_dim
-        mm = kernels.matmul
-        self.qkv = Linear(d.hidden_size, self.q_size + 2 * self.kv_size, d.qkv_bias, mm)
-        self.o = Linear(self.q_size, d.hidden_size, d.o_bias, mm)
+        q, kv = self.q_size, self.kv_size = d.num_heads * d.head_dim, d.num_kv_heads * d.head_dim
+        mm, h = kernels.matmul, d.hidden_size
+        self.qkv = Linear(h, q + 2 * kv, d.qkv_bias, mm, LoraStack.of(lora, h, [q, kv, kv]))
+        self.o = Linear(q, h, d.o_bias, mm, LoraStack.of(lora, q, [h]))
         self.q_norm = Norm("rms", d.head_dim, d.norm_eps, kernels) if d.qk_norm else None
         self.k_norm = Norm("rms", d.head_dim, d.norm_eps, kernels) if d.qk_norm else None
         self.scale = d.head_dim**-0.5
@@ -59,8 +60,9 @@ class Attention(nn.Module):
         cos_sin: torch.Tensor | None,
         kv_cache: torch.Tensor,
         meta: AttnMetadata,
+        lora_mask: torch.Tensor | None,
     ) -> torch.Tensor:
-        q, k, v = self.qkv(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k, v = self.qkv(x, lora_mask).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
@@ -69,32 +71,35 @@ class Attention(nn.Module):
         if cos_sin is not None:
             q, k = self.kernels.apply_rotary(positions, q, k, cos_sin)
         o = self.impl.forward(q, k, v, kv_cache, meta, self.scale, self.sliding_window)
-        return self.o(o.flatten(1))
+        return self.o(o.flatten(1), lora_mask)
 
 
 class GatedMLP(nn.Module):
-    def __init__(self, d: ModelDims, kernels: Kernels) -> None:
+    def __init__(self, d: ModelDims, kernels: Kernels, lora: LoraDims | None) -> None:
         super().__init__()
-        mm = kernels.matmul
-        self.gate_up = GateUp(d.hidden_size, d.intermediate_size, d.mlp_bias, mm, kernels.silu_and_mul)
-        self.down = Linear(d.intermediate_size, d.hidden_size, d.mlp_bias, mm)
+        mm, h, n = kernels.matmul, d.hidden_size, d.intermediate_size
+        self.gate_up = GateUp(h, n, d.mlp_bias, mm, kernels.silu_and_mul, LoraStack.of(lora, h, [n, n]))
+        self.down = Linear(n, h, d.mlp_bias, mm, LoraStack.of(lora, n, [h]))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down(self.gate_up(x))
+    def forward(self, x: torch.Tensor, lora_mask: torch.Tensor | None) -> torch.Tensor:
+        return self.down(self.gate_up(x, lora_mask), lora_mask)
 
 
 class PlainMLP(nn.Module):
-    def __init__(self, d: ModelDims, kernels: Kernels) -> None:
+    def __init__(self, d: ModelDims, kernels: Kernels, lora: LoraDims | None) -> None:
         super().__init__()
-        self.fc = Linear(d.hidden_size, d.intermediate_size, d.mlp_bias, kernels.matmul)
-        self.proj = Linear(d.intermediate_size, d.hidden_size, d.mlp_bias, kernels.matmul)
+        mm, h, n = kernels.matmul, d.hidden_size, d.intermediate_size
+        self.fc = Linear(h, n, d.mlp_bias, mm, LoraStack.of(lora, h, [n]))
+        self.proj = Linear(n, h, d.mlp_bias, mm, LoraStack.of(lora, n, [h]))
         self.act = ACTIVATIONS[d.hidden_act]
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.proj(self.act(self.fc(x)))
+    def forward(self, x: torch.Tensor, lora_mask: torch.Tensor | None) -> torch.Tensor:
+        return self.proj(self.act(self.fc(x, lora_mask)), lora_mask)
 
 
 class MoE(nn.Module):
+    """Experts take no adapters (an adapter for them is refused when it loads); the router neither."""
+
     def __init__(self, d: ModelDims, kernels: Kernels) -> None:
         super().__init__()
         self.kernels = kernels
@@ -107,7 +112,7 @@ class MoE(nn.Module):
         w13, w2 = self.kernels.matmul.pack_experts(self.w13.data, self.w2.data)
         self.w13, self.w2 = (nn.Parameter(w, requires_grad=False) for w in (w13, w2))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, lora_mask: torch.Tensor | None) -> torch.Tensor:
         weights, ids = self.kernels.route(self.router(x), self.top_k, self.renormalize)
         return self.kernels.moe_experts(x, self.w13, self.w2, weights, ids)
 
@@ -119,17 +124,24 @@ class DecoderLayer(nn.Module):
         "residual": (0,),
         "positions": (0,),
         "meta": AttnMetadata.STEP_DIMS,
+        "lora_mask": (0,),
     }
 
     def __init__(
-        self, spec: ArchSpec, d: ModelDims, index: int, kernels: Kernels, attention: AttentionImpl
+        self,
+        spec: ArchSpec,
+        d: ModelDims,
+        index: int,
+        kernels: Kernels,
+        attention: AttentionImpl,
+        lora: LoraDims | None,
     ) -> None:
         super().__init__()
         self.attn_norm = Norm(spec.norm, d.hidden_size, d.norm_eps, kernels)
-        self.attn = Attention(d, kernels, attention)
+        self.attn = Attention(d, kernels, attention, lora)
         self.mlp_norm = Norm(spec.norm, d.hidden_size, d.norm_eps, kernels)
         dense = GatedMLP if spec.mlp == "gated" else PlainMLP
-        self.mlp = MoE(d, kernels) if d.is_moe_layer(index) else dense(d, kernels)
+        self.mlp = MoE(d, kernels) if d.is_moe_layer(index) else dense(d, kernels, lora)
 
     def forward(
         self,
@@ -139,14 +151,16 @@ class DecoderLayer(nn.Module):
         cos_sin: torch.Tensor | None,
         kv_cache: torch.Tensor,
         meta: AttnMetadata,
+        lora_mask: torch.Tensor | None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         h, residual = self.attn_norm(x, residual)
-        h = self.attn(h, positions, cos_sin, kv_cache, meta)
+        h = self.attn(h, positions, cos_sin, kv_cache, meta, lora_mask)
         h, residual = self.mlp_norm(h, residual)
-        return self.mlp(h), residual
+        return self.mlp(h, lora_mask), residual
 
 
-# Runs decoder layers in order: (layers, x, residual, positions, cos_sin, kv_caches, meta) -> (x, residual).
+# Runs decoder layers in order: (layers, x, residual, positions, cos_sin, kv_caches, meta, lora_mask) ->
+# (x, residual).
 # run_layers below, or the lowering's compiled groups of layers.
 RunLayers = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
@@ -159,9 +173,10 @@ def run_layers(
     cos_sin: torch.Tensor | None,
     kv_caches: Sequence[torch.Tensor],
     meta: AttnMetadata,
+    lora_mask: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     for layer, kv_cache in zip(layers, kv_caches, strict=True):
-        x, residual = layer(x, residual, positions, cos_sin, kv_cache, meta)
+        x, residual = layer(x, residual, positions, cos_sin, kv_cache, meta, lora_mask)
     return x, residual
 
 
@@ -172,12 +187,18 @@ class DecoderModel(nn.Module):
         d: ModelDims,
         kernels: Kernels = TORCH_KERNELS,
         attention: AttentionImpl = TORCH_ATTENTION,
+        lora: LoraDims | None = None,
     ) -> None:
+        """lora: slots for LoRA adapters in every attention and dense MLP projection (None: served
+        without)."""
         super().__init__()
         self.spec, self.dims, self.kernels, self.attention = spec, d, kernels, attention
+        self.lora = lora
         self.embed = nn.Embedding(d.vocab_size, d.hidden_size)
         self.pos_embed = nn.Embedding(d.max_positions, d.hidden_size) if spec.positions == "learned" else None
-        self.layers = nn.ModuleList(DecoderLayer(spec, d, i, kernels, attention) for i in range(d.num_layers))
+        self.layers = nn.ModuleList(
+            DecoderLayer(spec, d, i, kernels, attention, lora) for i in range(d.num_layers)
+        )
         self.norm = Norm(spec.norm, d.hidden_size, d.norm_eps, kernels)
         head = None if d.tie_word_embeddings else Linear(d.hidden_size, d.vocab_size, False, kernels.matmul)
         self.lm_head = head
@@ -196,6 +217,9 @@ class DecoderModel(nn.Module):
         for module in self.modules():
             if isinstance(module, Linear | MoE) and module is not self.lm_head:
                 module.pack()
+            if isinstance(module, LoraStack):
+                assert self.lora is not None
+                module.reset(self.lora.dtype or self.kernels.activations or self.embed.weight.dtype)
         head = self.embed.weight if self.lm_head is None else self.lm_head.weight
         self.logits_weight = self.kernels.matmul.pack_head(head)
 
@@ -205,8 +229,10 @@ class DecoderModel(nn.Module):
         positions: torch.Tensor,
         kv_caches: list[torch.Tensor],
         meta: AttnMetadata,
+        lora_slots: torch.Tensor | None = None,
         run: RunLayers = run_layers,
     ) -> torch.Tensor:
+        """lora_slots: each token's adapter slot (-1: none), where the model has slots."""
         x = self.embed(input_ids)
         if self.pos_embed is not None:
             x = x + self.pos_embed(positions)
@@ -215,7 +241,11 @@ class DecoderModel(nn.Module):
         # A zero residual rather than None, so every layer runs the same code and shares one compiled graph.
         residual = torch.zeros_like(x)
         layers = tuple(self.layers)
-        x, residual = run(layers, x, residual, positions, self.cos_sin, tuple(kv_caches), meta)
+        mask = None
+        if self.lora is not None:
+            assert lora_slots is not None, "a model with LoRA slots takes each token's slot"
+            mask = slot_mask(lora_slots, self.lora, x.dtype)
+        x, residual = run(layers, x, residual, positions, self.cos_sin, tuple(kv_caches), meta, mask)
         return self.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -13,6 +13,7 @@ from tqdm import tqdm
 from transformers import AutoConfig
 
 from kiln.models.decoder import DecoderModel
+from kiln.models.lora import LoraDims
 from kiln.models.registry import spec_for
 from kiln.models.spec import ArchSpec, ModelDims, Shard, expand, ignored, rule_applies
 from kiln.models.staging import Stager
@@ -110,17 +111,18 @@ def load_model(
     stager: Stager | None = None,
     dummy: bool = False,
     hf_overrides: dict[str, Any] | None = None,
+    lora: LoraDims | None = None,
 ) -> DecoderModel:
     """kernels: None is the torch references for this device and dtype. stager: None stages through
     pinned memory on a GPU (staging.py) and copies directly on a CPU. A stager that fails (its pinned
     memory, stream or reads) is logged, and the weights are loaded again with direct copies. dummy: no
     weights read, each drawn uniformly from +-1e-3 (vLLM's --load-format dummy, to measure speed).
-    hf_overrides: laid over config.json (vLLM's --hf-overrides)."""
+    hf_overrides: laid over config.json (vLLM's --hf-overrides). lora: LoRA adapter slots, empty."""
     device = torch.device(device)
     spec, dims, torch_dtype = inspect_model(path, dtype, device, hf_overrides)
     kernels = kernels or torch_kernels(device, torch_dtype)
     with torch.device("meta"):
-        model = DecoderModel(spec, dims, kernels, attention).to(torch_dtype)
+        model = DecoderModel(spec, dims, kernels, attention, lora).to(torch_dtype)
     model.to_empty(device=device)
     if dummy:
         generator = torch.Generator(device).manual_seed(1234)
