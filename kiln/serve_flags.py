@@ -27,6 +27,19 @@ def human_readable_int(text: str) -> int:
         ) from None
 
 
+def lora_module(text: str) -> dict:
+    """vLLM's --lora-modules entries: name=path, or JSON with name, path and base_model_name."""
+    if text.lstrip().startswith("{"):
+        try:
+            return json.loads(text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
+    name, eq, path = text.partition("=")
+    if not eq or not name or not path:
+        raise argparse.ArgumentTypeError(f"{text!r} is not name=path or a JSON object")
+    return {"name": name, "path": path}
+
+
 def gib(text: str) -> float:
     """--kv-cache-memory-bytes as kiln's cache.kv_cache_gib."""
     return human_readable_int(text) / 2**30
@@ -148,6 +161,17 @@ SERVE_FLAGS: dict[str, tuple[str, str, dict]] = {
         {"type": json.loads, "metavar": "JSON", "help": 'e.g. {"enable_in_reasoning": true}'},
     ),
     "--reasoning-parser": ("model", "reasoning_parser", {"choices": ["deepseek_r1", "qwen3"]}),
+    "--enable-lora": ("lora", "enable_lora", {"action": "store_true", "help": "serve LoRA adapters"}),
+    "--max-loras": ("lora", "max_loras", {"type": int, "help": "the most adapters one step runs"}),
+    "--max-lora-rank": ("lora", "max_lora_rank", {"type": int}),
+    "--max-cpu-loras": ("lora", "max_cpu_loras", {"type": int, "help": "adapters kept on the host"}),
+    "--lora-dtype": ("lora", "lora_dtype", {"choices": ["auto", "float32", "bfloat16", "float16"]}),
+    "--fully-sharded-loras": ("lora", "fully_sharded_loras", {"action": "store_true"}),
+    "--lora-modules": (
+        "server",
+        "lora_modules",
+        {"type": lora_module, "nargs": "+", "metavar": "NAME=PATH", "help": "adapters to serve, or JSON"},
+    ),
     "--runner": (
         "model",
         "runner",

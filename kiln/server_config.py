@@ -10,6 +10,14 @@ from msgspec import Meta
 from kiln.config import EngineConfig, _Section
 
 
+class LoraModule(_Section):
+    """One adapter served under its own name (vLLM's --lora-modules name=path, or its JSON form)."""
+
+    name: str
+    path: str
+    base_model_name: str | None = None
+
+
 class ServerConfig(_Section):
     host: str = "127.0.0.1"
     port: Annotated[int, Meta(ge=0, le=65535)] = 8000
@@ -92,6 +100,8 @@ class ServerConfig(_Section):
     # vLLM's --middleware: import paths of ASGI middleware classes or async (request, call_next) functions,
     # run outermost, in order.
     middleware: list[str] = msgspec.field(default_factory=list)
+    # LoRA adapters served from the start, each under its name (lora.enable_lora must be on).
+    lora_modules: list[LoraModule] = msgspec.field(default_factory=list)
 
     @property
     def api_keys(self) -> list[str]:
@@ -114,3 +124,7 @@ class ServeConfig(EngineConfig):
     """What `kiln serve` runs: the engine sections plus the HTTP server."""
 
     server: ServerConfig = msgspec.field(default_factory=ServerConfig)
+
+    def __post_init__(self) -> None:
+        if self.server.lora_modules and not self.lora.enable_lora:
+            raise ValueError("server.lora_modules needs lora.enable_lora (--enable-lora)")

@@ -18,6 +18,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from kiln.api.adapters import Adapters, LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest, runtime_updates
 from kiln.api.chat import create_chat_completion
 from kiln.api.classify import create_classification
 from kiln.api.completions import create_completion
@@ -81,6 +82,7 @@ class App:
         self.stopped = asyncio.Event()  # set when the server should close
         self.exit_code = 0
         self.load = ServerLoad()
+        self.adapters = Adapters(self.model_name)
         post, get = ["POST"], ["GET"]
         invoke = functools.partial(create_invocation, check_model=self._check_model)
         # The requests GET /load counts, as vLLM's load_aware_call: those that run the model.
@@ -95,6 +97,10 @@ class App:
             *((p, create_rerank, RerankRequest) for p in ("/rerank", "/v1/rerank", "/v2/rerank")),
         ]
         info = [("/tokenizer_info", tokenizer_info)] if config.server.enable_tokenizer_info_endpoint else []
+        loras = [
+            ("/v1/load_lora_adapter", self.adapters.load, LoadLoRAAdapterRequest),
+            ("/v1/unload_lora_adapter", self.adapters.unload, UnloadLoRAAdapterRequest),
+        ]
         self.starlette = Starlette(
             routes=[
                 *(Route(p, self._api(p, h, kind, counted=True), methods=post) for p, h, kind in work),
@@ -102,6 +108,7 @@ class App:
                 Route("/tokenize", self._api("/tokenize", tokenize, TokenizeRequest), methods=post),
                 Route("/detokenize", self._api("/detokenize", detokenize, DetokenizeRequest), methods=post),
                 *(Route(p, self._api(p, h), methods=get) for p, h in info),
+                *(Route(p, self._api(p, h, kind), methods=post) for p, h, kind in loras if runtime_updates()),
                 Route("/health", self._health, methods=get),
                 Route("/ping", self._health, methods=["GET", "POST"]),  # SageMaker's, as vLLM
                 Route("/invocations", self._api("/invocations", invoke, msgspec.Raw), methods=post),
@@ -134,6 +141,15 @@ class App:
             engine = await AsyncEngine.start(self.config, self.model_name)
         except Exception:
             log.exception("the engine failed to start")
+            self.exit_code = 1
+            self.stopped.set()
+            return
+        try:
+            for m in self.config.server.lora_modules:
+                await self.adapters.add(engine, m.name, m.path, m.base_model_name)
+        except ValueError as e:
+            log.error("--lora-modules: %s", e)
+            await engine.shutdown()
             self.exit_code = 1
             self.stopped.set()
             return
@@ -236,7 +252,8 @@ class App:
 
     def _check_model(self, body: Any) -> None:
         name = getattr(body, "model", None)
-        if name and name not in self.model_names:
+        served = self.engine.served_loras if self.engine is not None else {}
+        if name and name not in self.model_names and name not in served:
             raise APIError(404, f"The model `{name}` does not exist.", "model")
 
     def _api(
@@ -279,7 +296,8 @@ class App:
 
     async def _models(self, engine: AsyncEngine, inputs: Inputs, request: Request, body: None) -> ModelList:
         root, length = str(engine.model_path), engine.max_model_len
-        return ModelList([ModelCard(id=name, root=root, max_model_len=length) for name in self.model_names])
+        cards = [ModelCard(id=name, root=root, max_model_len=length) for name in self.model_names]
+        return ModelList(cards + self.adapters.cards(engine))
 
     async def _health(self, request: Request) -> Response:
         try:

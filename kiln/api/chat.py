@@ -65,7 +65,7 @@ async def chat(
 ) -> ChatCompletionResponse | AsyncIterator[ChatCompletionChunk] | None:
     """The reply whole, or its chunks as they come (stream), or None if the client left. cached: usage
     with prompt_tokens_details."""
-    model = engine.model_name
+    model = engine.served_name(body.model)
     if body.top_logprobs is not None and not body.logprobs:
         raise APIError(400, "top_logprobs needs logprobs set to true", "top_logprobs")
     most = engine.admission.max_logprobs

@@ -31,4 +31,4 @@ async def create_classification(
     for i, v in enumerate(vectors):
         probs = v.tolist()
         data.append(ClassificationData(i, labels[int(v.argmax())], probs, len(probs)))
-    return DataList.of(rid, engine.model_name, data, sum(map(len, prompts)))
+    return DataList.of(rid, engine.served_name(body.model), data, sum(map(len, prompts)))

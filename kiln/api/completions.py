@@ -40,7 +40,7 @@ async def create_completion(
     engine: AsyncEngine, inputs: Inputs, request: Request, body: CompletionRequest
 ) -> CompletionResponse | Response | None:
     generating(engine, "Completions")
-    model = engine.model_name
+    model = engine.served_name(body.model)
     if body.suffix is not None:
         raise APIError(400, "suffix is not supported", "suffix")
     if body.best_of is not None and body.best_of != body.n:

@@ -41,7 +41,7 @@ async def create_embedding(
     if vectors is None:
         return None
     data = [EmbeddingData(i, encoded(v, body)) for i, v in enumerate(vectors)]
-    return DataList.of(rid, engine.model_name, data, sum(map(len, prompts)))
+    return DataList.of(rid, engine.served_name(body.model), data, sum(map(len, prompts)))
 
 
 async def pool(

@@ -32,4 +32,4 @@ async def create_pooling(
     if vectors is None:
         return None
     data = [PoolingData(i, encoded(v, body)) for i, v in enumerate(vectors)]
-    return DataList.of(rid, engine.model_name, data, sum(map(len, prompts)))
+    return DataList.of(rid, engine.served_name(body.model), data, sum(map(len, prompts)))

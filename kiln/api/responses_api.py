@@ -55,8 +55,8 @@ async def create_response(
     if reply is None:
         return None
     if isinstance(reply, ChatCompletionResponse):
-        return await _whole(body, rid, engine.model_name, reply, inputs)
-    return sse(events(body, rid, engine.model_name, reply, inputs))
+        return await _whole(body, rid, engine.served_name(body.model), reply, inputs)
+    return sse(events(body, rid, engine.served_name(body.model), reply, inputs))
 
 
 def to_chat(body: ResponsesRequest) -> ChatCompletionRequest:

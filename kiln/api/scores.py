@@ -35,7 +35,7 @@ async def create_score(
         return None
     rid, scores, tokens = scored
     data = [ScoreData(i, s) for i, s in enumerate(scores)]
-    return DataList.of(rid, engine.model_name, data, tokens)
+    return DataList.of(rid, engine.served_name(body.model), data, tokens)
 
 
 async def create_rerank(
@@ -51,7 +51,9 @@ async def create_rerank(
         RerankResult(i, RerankDocument(d), s) for i, (d, s) in enumerate(zip(documents, scores, strict=True))
     ]
     results.sort(key=lambda r: r.relevance_score, reverse=True)
-    return RerankResponse(rid, engine.model_name, RerankUsage(tokens, tokens), results[: body.top_n or None])
+    return RerankResponse(
+        rid, engine.served_name(body.model), RerankUsage(tokens, tokens), results[: body.top_n or None]
+    )
 
 
 async def _scores(

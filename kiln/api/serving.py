@@ -176,7 +176,8 @@ def start_all(
     try:
         for i, (ids, p) in enumerate(zip(prompts, params, strict=True)):
             rid = f"{engine_id}-{i}" if len(prompts) > 1 else engine_id
-            streams.append(engine.generate(ids, p, rid, priority, body.cache_salt))
+            lora = engine.served_loras.get(body.model) if body.model else None
+            streams.append(engine.generate(ids, p, rid, priority, body.cache_salt, lora))
     except BaseException:
         for s in streams:
             s.close()

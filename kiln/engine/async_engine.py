@@ -24,6 +24,8 @@ from kiln.engine.pooler import Pooler
 from kiln.engine.queue_limits import Overloaded, QueueLimits
 from kiln.engine.request_stream import RequestStream
 from kiln.engine.tokenizer import load_tokenizer
+from kiln.lora_request import LoRARequest
+from kiln.models.lora_adapter import Adapter, load_adapter
 from kiln.pooling_params import PoolingParams
 from kiln.sampling_params import SamplingParams, StructuredOutputsParams
 
@@ -42,6 +44,15 @@ class _Add:
     priority: int
     cache_salt: str | None
     bad_words: BadWords  # the params' bad words, tokenized when they were checked on the event loop
+    lora: LoRARequest | None
+
+
+@dataclass(slots=True)
+class _Lora:
+    """Hand a checked adapter to the engine (adapter), or let it forget one (lora_int_id)."""
+
+    adapter: Adapter | None
+    lora_int_id: int = 0
 
 
 @dataclass(slots=True)
@@ -76,6 +87,7 @@ class AsyncEngine:
         self._commands: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._streams: dict[str, RequestStream] = {}
         self._queue = QueueLimits(config.scheduler)
+        self.served_loras: dict[str, LoRARequest] = {}  # by the name a request's `model` gives (kiln.api)
         self._thread = threading.Thread(target=self._run, args=(config,), name="kiln-engine", daemon=True)
         self._thread.start()
 
@@ -97,6 +109,10 @@ class AsyncEngine:
         self.metrics = Metrics(model_name, self.engine.stats, self.max_model_len)
         return self
 
+    def served_name(self, model: str | None) -> str:
+        """The name a response gives: the adapter's a request named, else the model's first."""
+        return model if model in self.served_loras else self.model_name
+
     @property
     def num_in_flight(self) -> int:
         return len(self._streams)
@@ -108,6 +124,7 @@ class AsyncEngine:
         request_id: str,
         priority: int = 0,
         cache_salt: str | None = None,
+        lora: LoRARequest | None = None,
     ) -> RequestStream:
         """Queues a request and returns its stream (options as LLMEngine.add_request; PoolingParams: its
         embedding). A bad prompt, params or options raise ValueError here, before anything is queued."""
@@ -128,8 +145,18 @@ class AsyncEngine:
             raise
         stream.prefill_tokens = tokens
         self._streams[request_id] = stream
-        self._commands.put(_Add(request_id, prompt_ids, params, priority, cache_salt, bad_words))
+        self._commands.put(_Add(request_id, prompt_ids, params, priority, cache_salt, bad_words, lora))
         return stream
+
+    async def add_lora(self, lora: LoRARequest) -> None:
+        """Reads and checks an adapter off the event loop (ValueError), then hands it to the engine."""
+        if self.engine.runner.loras is None:
+            raise ValueError("LoRA is not enabled: start the server with --enable-lora")
+        adapter = await asyncio.to_thread(load_adapter, lora, self.engine.model)
+        self._commands.put(_Lora(adapter))
+
+    def remove_lora(self, lora_int_id: int) -> None:
+        self._commands.put(_Lora(None, lora_int_id))
 
     def _untrack(self, request_id: str) -> RequestStream | None:
         stream = self._streams.pop(request_id, None)
@@ -192,13 +219,18 @@ class AsyncEngine:
             except queue.Empty:
                 return commands
 
-    def _apply(self, engine: LLMEngine, command: _Add | _Abort) -> None:
+    def _apply(self, engine: LLMEngine, command: _Add | _Abort | _Lora) -> None:
         if isinstance(command, _Abort):
             engine.abort(command.request_id)
             return
+        if isinstance(command, _Lora):
+            engine.keep_lora(command.adapter) if command.adapter else engine.drop_lora(command.lora_int_id)
+            return
         try:
             c = command
-            engine.add_request(c.request_id, c.prompt_ids, c.params, c.priority, c.cache_salt, c.bad_words)
+            engine.add_request(
+                c.request_id, c.prompt_ids, c.params, c.priority, c.cache_salt, c.bad_words, c.lora
+            )
         except ValueError as e:  # checked already on the event loop, so this is a race at most
             self._loop.call_soon_threadsafe(self._fail, command.request_id, e)
 

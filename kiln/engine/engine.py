@@ -230,6 +230,15 @@ class LLMEngine:
             raise ValueError(f"LoRA adapter {lora.lora_name!r}: LoRA is not enabled (--enable-lora)")
         return self.runner.loras.load(lora)
 
+    def keep_lora(self, adapter: Adapter) -> None:
+        """An adapter read and checked elsewhere (the server, off its event loop), held from now on."""
+        assert self.runner.loras is not None
+        self.runner.loras.keep(adapter)
+
+    def drop_lora(self, lora_int_id: int) -> None:
+        if self.runner.loras is not None:
+            self.runner.loras.drop(lora_int_id)
+
     def abort(self, request_id: str) -> None:
         parent = self.output.parents.pop(request_id, None)
         for child in parent.children if parent else []:

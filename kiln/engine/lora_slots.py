@@ -41,8 +41,12 @@ class LoraSlots:
         return adapter
 
     def keep(self, adapter: Adapter) -> None:
-        self.adapters[adapter.request.lora_int_id] = adapter
-        self.adapters.move_to_end(adapter.request.lora_int_id)
+        lora_id = adapter.request.lora_int_id
+        held = self.adapters.get(lora_id)
+        if held is not None and held.request != adapter.request:  # the id now names another adapter
+            self.slots = [None if a == lora_id else a for a in self.slots]
+        self.adapters[lora_id] = adapter
+        self.adapters.move_to_end(lora_id)
         while len(self.adapters) > self.capacity:
             self.adapters.popitem(last=False)
 

@@ -42,7 +42,10 @@ def test_adapters_mixed_in_a_batch_match_merged_weights(arch: str, tmp_path: Pat
     prompts = [p for p in PROMPTS for _ in loras]
     outs = llm.generate(prompts, GREEDY, use_tqdm=False, lora_request=loras * len(PROMPTS))
     got = [o.outputs[0].token_ids for o in outs]
-    want = [_reference(refs[lora and lora.lora_int_id], p) for p, lora in zip(prompts, loras * len(PROMPTS))]
+    want = [
+        _reference(refs[lora and lora.lora_int_id], p)
+        for p, lora in zip(prompts, loras * len(PROMPTS), strict=True)
+    ]
     assert got == want
     assert len({tuple(t) for t in got[:3]}) == 3  # each adapter changed the tokens
 

@@ -1,0 +1,99 @@
+"""The LoRA adapters a server serves, by name (vLLM's --lora-modules and its runtime load/unload
+endpoints): a request's `model` names the base model or one of them."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+from typing import Any
+
+import msgspec
+from starlette.requests import Request
+from starlette.responses import PlainTextResponse
+
+from kiln.api.errors import APIError
+from kiln.api.inputs import Inputs
+from kiln.api.responses import ModelCard
+from kiln.engine.async_engine import AsyncEngine
+from kiln.lora_request import LoRARequest
+
+log = logging.getLogger(__name__)
+
+RUNTIME_UPDATES = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"
+
+
+class LoadLoRAAdapterRequest(msgspec.Struct, kw_only=True):
+    lora_name: str = ""
+    lora_path: str = ""
+    load_inplace: bool = False  # vLLM's: replace an adapter of that name
+
+
+class UnloadLoRAAdapterRequest(msgspec.Struct, kw_only=True):
+    lora_name: str = ""
+    lora_int_id: int | None = None
+
+
+def runtime_updates() -> bool:
+    """vLLM's switch for POST /v1/load_lora_adapter and /v1/unload_lora_adapter."""
+    return os.environ.get(RUNTIME_UPDATES, "").lower() in ("1", "true")
+
+
+class Adapters:
+    """Keeps the engine's served_loras: the names a request's `model` may give besides the base model's."""
+
+    def __init__(self, base: str) -> None:
+        self.base = base  # the model's first served name: each adapter's parent
+        self._ids = itertools.count(1)
+
+    def cards(self, engine: AsyncEngine) -> list[ModelCard]:
+        return [
+            ModelCard(
+                id=name,
+                root=lora.lora_path,
+                parent=lora.base_model_name or self.base,
+                max_model_len=engine.max_model_len,
+            )
+            for name, lora in engine.served_loras.items()
+        ]
+
+    async def add(self, engine: AsyncEngine, name: str, path: str, base: str | None = None) -> LoRARequest:
+        lora = LoRARequest(name, next(self._ids), path, base)
+        await engine.add_lora(lora)
+        engine.served_loras[name] = lora
+        log.info("serving LoRA adapter %s (%s)", name, path)
+        return lora
+
+    async def load(
+        self, engine: AsyncEngine, inputs: Inputs, request: Request, body: Any
+    ) -> PlainTextResponse:
+        """POST /v1/load_lora_adapter: vLLM's messages."""
+        assert isinstance(body, LoadLoRAAdapterRequest)
+        name, path = body.lora_name, body.lora_path
+        if not name or not path:
+            raise APIError(400, "Both 'lora_name' and 'lora_path' must be provided.")
+        old = engine.served_loras.get(name)
+        if old is not None and not body.load_inplace:
+            raise APIError(400, f"The lora adapter '{name}' has already been loaded.")
+        try:
+            await self.add(engine, name, path)
+        except ValueError as e:
+            raise APIError(400, f"Failed to load LoRA adapter '{name}': {e}") from None
+        if old is not None:
+            engine.remove_lora(old.lora_int_id)
+        return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
+
+    async def unload(
+        self, engine: AsyncEngine, inputs: Inputs, request: Request, body: Any
+    ) -> PlainTextResponse:
+        """POST /v1/unload_lora_adapter: requests running with it finish with it."""
+        assert isinstance(body, UnloadLoRAAdapterRequest)
+        name = body.lora_name
+        if not name:
+            raise APIError(400, "'lora_name' needs to be provided to unload a LoRA adapter.")
+        lora = engine.served_loras.pop(name, None)
+        if lora is None:
+            raise APIError(404, f"The lora adapter '{name}' cannot be found.")
+        engine.remove_lora(lora.lora_int_id)
+        log.info("stopped serving LoRA adapter %s", name)
+        return PlainTextResponse(f"Success: LoRA adapter '{name}' removed successfully.")
