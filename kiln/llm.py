@@ -134,11 +134,17 @@ class LLM:
         return ids
 
     def beam_search(
-        self, prompts: Prompt | Sequence[Prompt], params: BeamSearchParams, use_tqdm: bool = False
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        params: BeamSearchParams,
+        use_tqdm: bool = False,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[BeamSearchOutput]:
         """vLLM's: each prompt's params.beam_width best beams (kiln.engine.beam_search), the best first;
-        a sequence's tokens and text hold the prompt too, as vLLM's. Prompts as for generate."""
+        a sequence's tokens and text hold the prompt too, as vLLM's. Prompts and lora_request as for
+        generate."""
         batch = _as_batch(prompts)
+        loras = _per_prompt(lora_request, len(batch))
         eos = frozenset(self.engine.eos_token_ids)
         searches = []
         for prompt, salt in batch:
@@ -153,10 +159,11 @@ class LLM:
         with tqdm(total=params.max_tokens, desc="Beam search", unit="step", disable=not use_tqdm) as bar:
             while running := [s for s in searches if s.running]:
                 ids = []
-                for search in running:  # in the order advance_all takes the outputs back
-                    for beam in search.beams:
+                for search, lora in zip(searches, loras, strict=True):  # advance_all's order
+                    for beam in search.beams if search.running else []:
                         ids.append(f"beam-{next(self._ids)}")
-                        self.engine.add_request(ids[-1], beam.tokens, step, cache_salt=search.cache_salt)
+                        salt = search.cache_salt
+                        self.engine.add_request(ids[-1], beam.tokens, step, cache_salt=salt, lora=lora)
                 advance_all(running, self._run(ids, use_tqdm=False))
                 bar.update()
         tokenizer = self.engine.tokenizer

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -63,6 +64,14 @@ class _EngineState(Collector):
             counter = CounterMetricFamily(f"kiln:{name}", doc, labels=["model_name"])
             counter.add_metric([self.model_name], value)
             yield counter
+        if s["lora"] is not None:
+            lora = s["lora"]
+            labels = ["max_lora", "waiting_lora_adapters", "running_lora_adapters"]
+            info = GaugeMetricFamily(
+                "kiln:lora_requests_info", "Running stats on LoRA requests.", labels=labels
+            )
+            info.add_metric([str(lora["max_lora"]), lora["waiting"], lora["running"]], time.time())
+            yield info
         histogram = HistogramMetricFamily(
             "kiln:grammar_compile_seconds", "Time to compile a grammar.", labels=["model_name"]
         )

@@ -7,12 +7,13 @@ from __future__ import annotations
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import openai
 import pytest
 import torch
 import transformers
 
-from tests.api.server import Server, expect_error, post, start_server
+from tests.api.server import AUTH, Server, expect_error, post, start_server
 from tests.conftest import API_KEY
 from tests.models.lora_adapters import merged, save_adapter
 from tests.models.tiny import build_default_vocab
@@ -87,6 +88,22 @@ def test_served_adapters_answer_under_their_names(server: Server, folders: dict[
     assert sql == _reference(folders, "sql") != base
     with pytest.raises(openai.NotFoundError, match=r"The model `chat` does not exist\."):
         _complete(client, "chat")
+
+
+def test_lora_requests_info_names_the_running_adapters(server: Server) -> None:
+    def info() -> str:
+        text = httpx.get(f"{server.url}/metrics", timeout=30).text
+        return next(line for line in text.splitlines() if line.startswith("kiln:lora_requests_info{"))
+
+    assert info().startswith(
+        'kiln:lora_requests_info{max_lora="2",running_lora_adapters="",waiting_lora_adapters=""}'
+    )
+    body = {"model": "sql", "prompt": PROMPT, "max_tokens": 500, "ignore_eos": True, "stream": True}
+    seen = []
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=body, headers=AUTH, timeout=60) as r:
+        for _ in zip(range(20), r.iter_lines(), strict=False):  # while its first tokens come, it runs
+            seen.append(info())
+    assert any('running_lora_adapters="sql"' in line for line in seen), seen
 
 
 def test_runtime_load_and_unload(server: Server, folders: dict[str, Path]) -> None:

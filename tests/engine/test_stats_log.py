@@ -16,7 +16,9 @@ def state(running: int = 0, waiting: int = 0, queries: int = 0, hits: int = 0) -
 
 
 def test_rates_over_the_span_and_quiet_when_idle() -> None:
-    metrics = Metrics("m", lambda: {**state(), "preemptions": 0, "grammars": GrammarStats()}, 512)
+    metrics = Metrics(
+        "m", lambda: {**state(), "preemptions": 0, "grammars": GrammarStats(), "lora": None}, 512
+    )
     log = StatsLog(metrics, at=100.0)
     assert log.line(110.0, state()) == (
         "Avg prompt throughput: 0.0 tokens/s, Avg generation throughput: 0.0 tokens/s, Running: 0 reqs, "

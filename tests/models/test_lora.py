@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from kiln import LLM, LoRARequest, SamplingParams
+from kiln import LLM, BeamSearchParams, LoRARequest, SamplingParams
 from tests.models.lora_adapters import merged, save_adapter
 from tests.models.test_architectures import PROMPTS
 from tests.models.tiny import build
@@ -58,6 +58,15 @@ def test_more_adapters_than_slots_take_turns(tmp_path: Path) -> None:
     outs = llm.generate([PROMPTS[1]] * 6, GREEDY, use_tqdm=False, lora_request=loras * 2)
     want = [_reference(merged(hf, p), PROMPTS[1]) for p in paths]
     assert [o.outputs[0].token_ids for o in outs] == want * 2
+
+
+def test_beam_search_runs_with_the_adapter(tmp_path: Path) -> None:
+    hf = build("llama", tmp_path / "model")
+    a = save_adapter(tmp_path / "a", hf, seed=1)
+    llm = LLM(str(tmp_path / "model"), **_OPTIONS)
+    params = BeamSearchParams(beam_width=1, max_tokens=12, ignore_eos=True)
+    beams = llm.beam_search([PROMPTS[1]], params, lora_request=LoRARequest("a", 1, str(a)))
+    assert beams[0].sequences[0].tokens[len(PROMPTS[1]) :] == _reference(merged(hf, a), PROMPTS[1])
 
 
 def test_the_prefix_cache_is_kept_apart_per_adapter(tmp_path: Path) -> None:
