@@ -17,10 +17,11 @@ from kiln.api.inputs import Inputs
 from kiln.api.responses import ModelCard
 from kiln.engine.async_engine import AsyncEngine
 from kiln.lora_request import LoRARequest
+from kiln.models.lora_adapter import AdapterNotFound
 
 log = logging.getLogger(__name__)
 
-RUNTIME_UPDATES = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"
+INVALID = "InvalidUserInput"  # vLLM's type for a bad load or unload request
 
 
 class LoadLoRAAdapterRequest(msgspec.Struct, kw_only=True):
@@ -34,26 +35,22 @@ class UnloadLoRAAdapterRequest(msgspec.Struct, kw_only=True):
     lora_int_id: int | None = None
 
 
-def runtime_updates() -> bool:
-    """vLLM's switch for POST /v1/load_lora_adapter and /v1/unload_lora_adapter."""
-    return os.environ.get(RUNTIME_UPDATES, "").lower() in ("1", "true")
+def vllm_flag(name: str) -> bool:
+    """A vLLM switch from the environment, read as vLLM reads it ("1" or "true")."""
+    return os.environ.get(name, "0").strip().lower() in ("1", "true")
 
 
 class Adapters:
     """Keeps the engine's served_loras: the names a request's `model` may give besides the base model's."""
 
-    def __init__(self, base: str) -> None:
-        self.base = base  # the model's first served name: each adapter's parent
+    def __init__(self, base_names: list[str]) -> None:
+        self.base_names = base_names
+        self.base = base_names[0]  # each adapter's parent
         self._ids = itertools.count(1)
 
     def cards(self, engine: AsyncEngine) -> list[ModelCard]:
         return [
-            ModelCard(
-                id=name,
-                root=lora.lora_path,
-                parent=lora.base_model_name or self.base,
-                max_model_len=engine.max_model_len,
-            )
+            ModelCard(id=name, root=lora.lora_path, parent=lora.base_model_name or self.base)
             for name, lora in engine.served_loras.items()
         ]
 
@@ -71,14 +68,22 @@ class Adapters:
         assert isinstance(body, LoadLoRAAdapterRequest)
         name, path = body.lora_name, body.lora_path
         if not name or not path:
-            raise APIError(400, "Both 'lora_name' and 'lora_path' must be provided.")
+            raise APIError(400, "Both 'lora_name' and 'lora_path' must be provided.", kind=INVALID)
+        if name in self.base_names:
+            raise APIError(
+                400, f"The lora adapter '{name}' conflicts with a served base model.", kind=INVALID
+            )
         old = engine.served_loras.get(name)
         if old is not None and not body.load_inplace:
-            raise APIError(400, f"The lora adapter '{name}' has already been loaded.")
+            message = (
+                f"The lora adapter '{name}' has already been loaded. If you want to load the adapter in "
+                "place, set 'load_inplace' to True."
+            )
+            raise APIError(400, message, kind=INVALID)
         try:
             await self.add(engine, name, path)
-        except ValueError as e:
-            raise APIError(400, f"Failed to load LoRA adapter '{name}': {e}") from None
+        except AdapterNotFound as e:
+            raise APIError(404, str(e)) from None
         if old is not None:
             engine.remove_lora(old.lora_int_id)
         return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
@@ -90,7 +95,7 @@ class Adapters:
         assert isinstance(body, UnloadLoRAAdapterRequest)
         name = body.lora_name
         if not name:
-            raise APIError(400, "'lora_name' needs to be provided to unload a LoRA adapter.")
+            raise APIError(400, "'lora_name' needs to be provided to unload a LoRA adapter.", kind=INVALID)
         lora = engine.served_loras.pop(name, None)
         if lora is None:
             raise APIError(404, f"The lora adapter '{name}' cannot be found.")

@@ -18,7 +18,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from kiln.api.adapters import Adapters, LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest, runtime_updates
+from kiln.api.adapters import Adapters, LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest, vllm_flag
 from kiln.api.chat import create_chat_completion
 from kiln.api.classify import create_classification
 from kiln.api.completions import create_completion
@@ -82,7 +82,7 @@ class App:
         self.stopped = asyncio.Event()  # set when the server should close
         self.exit_code = 0
         self.load = ServerLoad()
-        self.adapters = Adapters(self.model_name)
+        self.adapters = Adapters(self.model_names)
         post, get = ["POST"], ["GET"]
         invoke = functools.partial(create_invocation, check_model=self._check_model)
         # The requests GET /load counts, as vLLM's load_aware_call: those that run the model.
@@ -108,7 +108,11 @@ class App:
                 Route("/tokenize", self._api("/tokenize", tokenize, TokenizeRequest), methods=post),
                 Route("/detokenize", self._api("/detokenize", detokenize, DetokenizeRequest), methods=post),
                 *(Route(p, self._api(p, h), methods=get) for p, h in info),
-                *(Route(p, self._api(p, h, kind), methods=post) for p, h, kind in loras if runtime_updates()),
+                *(
+                    Route(p, self._api(p, h, kind), methods=post)
+                    for p, h, kind in loras
+                    if vllm_flag("VLLM_ALLOW_RUNTIME_LORA_UPDATING")
+                ),
                 Route("/health", self._health, methods=get),
                 Route("/ping", self._health, methods=["GET", "POST"]),  # SageMaker's, as vLLM
                 Route("/invocations", self._api("/invocations", invoke, msgspec.Raw), methods=post),
@@ -253,8 +257,14 @@ class App:
     def _check_model(self, body: Any) -> None:
         name = getattr(body, "model", None)
         served = self.engine.served_loras if self.engine is not None else {}
-        if name and name not in self.model_names and name not in served:
-            raise APIError(404, f"The model `{name}` does not exist.", "model")
+        if (
+            name
+            and name not in self.model_names
+            and name not in served
+            and not vllm_flag("VLLM_SKIP_MODEL_NAME_VALIDATION")
+        ):
+            aliases = ", ".join(self.model_names)
+            raise APIError(404, f"The model `{name}` does not exist. Valid aliases: {aliases}.", "model")
 
     def _api(
         self, path: str, handler: Handler, kind: type | None = None, counted: bool = False

@@ -38,14 +38,20 @@ _ENGINE_FIELDS = (
 
 
 class APIError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None) -> None:
+    def __init__(self, status: int, message: str, param: str | None = None, kind: str | None = None) -> None:
+        """kind: the error's type where vLLM names it apart from its status (InvalidUserInput)."""
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
+        self.kind = kind
 
     def body(self) -> ErrorResponse:
-        kind = ERROR_TYPES.get(self.status) or HTTPStatus(self.status).phrase.replace(" ", "") + "Error"
+        kind = (
+            self.kind
+            or ERROR_TYPES.get(self.status)
+            or HTTPStatus(self.status).phrase.replace(" ", "") + "Error"
+        )
         return ErrorResponse(ErrorInfo(self.message, kind, self.param, self.status))
 
     def response(self) -> Response:

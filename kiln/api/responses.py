@@ -146,7 +146,7 @@ class ChatCompletionChunk(msgspec.Struct, kw_only=True):
 class ModelCard(msgspec.Struct, kw_only=True):
     id: str
     root: str
-    max_model_len: int
+    max_model_len: int | None = None  # None for an adapter, as vLLM's
     object: Literal["model"] = "model"
     created: int = msgspec.field(default_factory=_now)
     owned_by: str = "kiln"

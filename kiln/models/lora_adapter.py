@@ -24,6 +24,11 @@ _KEY = re.compile(r"(?:base_model\.model\.)?(?P<module>.+)\.lora_(?P<ab>[AB])(?:
 _SHARDS = {None: None, "q": 0, "k": 1, "v": 2, "gate": 0, "up": 1}
 
 
+class AdapterNotFound(ValueError):
+    def __init__(self, request: LoRARequest) -> None:
+        super().__init__(f"Loading lora {request.lora_name} failed: No adapter found for {request.lora_path}")
+
+
 @dataclass(slots=True)
 class Adapter:
     request: LoRARequest
@@ -38,6 +43,8 @@ def load_adapter(request: LoRARequest, model: DecoderModel) -> Adapter:
     folder = Path(request.lora_path)
     config_file, weights_file = folder / "adapter_config.json", folder / "adapter_model.safetensors"
     name = request.lora_name
+    if not config_file.is_file():
+        raise AdapterNotFound(request)
     try:
         config = json.loads(config_file.read_text())
     except (OSError, ValueError) as e:

@@ -105,7 +105,9 @@ def test_api_key(server: Server) -> None:
 
 def test_not_found(server: Server) -> None:
     r = post(server, "/v1/chat/completions", json={"model": "gpt-4", "messages": MESSAGES})
-    assert expect_error(r, 404, "NotFoundError", "model") == "The model `gpt-4` does not exist."
+    assert expect_error(r, 404, "NotFoundError", "model") == (
+        "The model `gpt-4` does not exist. Valid aliases: HuggingFaceTB/SmolLM2-135M-Instruct."
+    )
     expect_error(httpx.get(f"{server.url}/v1/nothing", headers=AUTH), 404, "NotFoundError")
     expect_error(httpx.get(f"{server.url}/v1/completions", headers=AUTH), 405, "MethodNotAllowedError")
     with pytest.raises(openai.NotFoundError):

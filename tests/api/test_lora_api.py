@@ -59,10 +59,14 @@ def server(tmp_path_factory: pytest.TempPathFactory, folders: dict[str, Path]) -
     assert srv.stop() == 0, srv.output()
 
 
+def _hf(folders: dict[str, Path]) -> torch.nn.Module:
+    return transformers.AutoModelForCausalLM.from_pretrained(folders["model"], dtype=torch.float32).eval()
+
+
 def _reference(folders: dict[str, Path], adapter: str | None) -> str:
     """transformers' greedy 8 tokens after PROMPT, with the adapter merged into the weights."""
     tok = transformers.AutoTokenizer.from_pretrained(folders["model"])
-    hf = transformers.AutoModelForCausalLM.from_pretrained(folders["model"], dtype=torch.float32).eval()
+    hf = _hf(folders)
     model = hf if adapter is None else merged(hf, folders[adapter])
     ids = tok(PROMPT, return_tensors="pt").input_ids
     with torch.no_grad():
@@ -108,31 +112,51 @@ def test_lora_requests_info_names_the_running_adapters(server: Server) -> None:
 
 def test_runtime_load_and_unload(server: Server, folders: dict[str, Path]) -> None:
     client = openai.OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY)
-    loaded = post(
-        server, "/v1/load_lora_adapter", json={"lora_name": "chat", "lora_path": str(folders["chat"])}
-    )
+
+    def load(name: str, path: object, **extra: object) -> httpx.Response:
+        return post(
+            server, "/v1/load_lora_adapter", json={"lora_name": name, "lora_path": str(path), **extra}
+        )
+
+    def unload(**body: object) -> httpx.Response:
+        return post(server, "/v1/unload_lora_adapter", json=body)
+
+    loaded = load("chat", folders["chat"])
     assert (loaded.status_code, loaded.text) == (200, "Success: LoRA adapter 'chat' added successfully.")
     assert [m.id for m in client.models.list().data] == [BASE, "sql", "chat"]
     assert _complete(client, "chat") == _reference(folders, "chat")
 
-    again = post(
-        server, "/v1/load_lora_adapter", json={"lora_name": "chat", "lora_path": str(folders["chat"])}
+    assert expect_error(load("chat", folders["chat"]), 400, "InvalidUserInput") == (
+        "The lora adapter 'chat' has already been loaded. If you want to load the adapter in place, set "
+        "'load_inplace' to True."
     )
-    assert expect_error(again, 400, "BadRequestError") == "The lora adapter 'chat' has already been loaded."
+    assert load("chat", folders["chat"], load_inplace=True).status_code == 200  # the same, read again
+    assert _complete(client, "chat") == _reference(folders, "chat")
     missing = post(server, "/v1/load_lora_adapter", json={"lora_name": "x"})
     assert (
-        expect_error(missing, 400, "BadRequestError") == "Both 'lora_name' and 'lora_path' must be provided."
+        expect_error(missing, 400, "InvalidUserInput") == "Both 'lora_name' and 'lora_path' must be provided."
     )
-    bad = post(server, "/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": str(folders["model"])})
-    assert "Failed to load LoRA adapter 'x'" in expect_error(bad, 400, "BadRequestError")
+    assert expect_error(load(BASE, folders["chat"]), 400, "InvalidUserInput") == (
+        f"The lora adapter '{BASE}' conflicts with a served base model."
+    )
+    nowhere = folders["model"] / "nowhere"
+    assert expect_error(load("x", nowhere), 404, "NotFoundError") == (
+        f"Loading lora x failed: No adapter found for {nowhere}"
+    )
+    wide = save_adapter(folders["model"].parent / "wide", _hf(folders), seed=3, rank=16)
+    message = expect_error(load("x", wide), 400, "BadRequestError")
+    assert message == "LoRA adapter 'x': LoRA rank 16 is greater than max_lora_rank 8"
+    assert [m.id for m in client.models.list().data] == [BASE, "sql", "chat"]
 
-    unloaded = post(server, "/v1/unload_lora_adapter", json={"lora_name": "chat"})
+    unloaded = unload(lora_name="chat")
     assert (unloaded.status_code, unloaded.text) == (
         200,
         "Success: LoRA adapter 'chat' removed successfully.",
     )
-    gone = post(server, "/v1/unload_lora_adapter", json={"lora_name": "chat"})
-    assert expect_error(gone, 404, "NotFoundError") == "The lora adapter 'chat' cannot be found."
+    gone = expect_error(unload(lora_name="chat"), 404, "NotFoundError")
+    assert gone == "The lora adapter 'chat' cannot be found."
+    nameless = expect_error(unload(), 400, "InvalidUserInput")
+    assert nameless == "'lora_name' needs to be provided to unload a LoRA adapter."
     with pytest.raises(openai.NotFoundError):
         _complete(client, "chat")
     assert _complete(client, "sql") == _reference(folders, "sql")  # the server kept serving
