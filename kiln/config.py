@@ -7,6 +7,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import Meta
 
+MaxLoraRank = Literal[1, 8, 16, 32, 64, 128, 256, 320, 512]  # vLLM's choices
 LogprobsMode = Literal["raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits"]
 
 
@@ -173,7 +174,7 @@ class LoraConfig(_Section):
 
     enable_lora: bool = False
     max_loras: Annotated[int, Meta(ge=1)] = 1
-    max_lora_rank: Literal[1, 8, 16, 32, 64, 128, 256, 320, 512] = 16
+    max_lora_rank: MaxLoraRank = 16
     max_cpu_loras: Annotated[int, Meta(ge=1)] | None = None  # adapters kept on the host (null: max_loras)
     # The adapters' dtype in the slots; auto: the activations' (kiln adds them to the activations there).
     lora_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"

@@ -288,7 +288,9 @@ def _per_prompt(
     if lora_request is None or isinstance(lora_request, LoRARequest):
         return [lora_request] * n
     if len(lora_request) != n:
-        raise ValueError(f"got {len(lora_request)} LoRA requests for {n} prompts")
+        raise ValueError(
+            f"The lengths of prompts ({n}) and lora_request ({len(lora_request)}) must be the same."
+        )
     return list(lora_request)
 
 

@@ -15,4 +15,4 @@ class LoRARequest(msgspec.Struct, frozen=True):
 
     def __post_init__(self) -> None:
         if self.lora_int_id < 1:
-            raise ValueError(f"lora_int_id must be > 0, got {self.lora_int_id}")
+            raise ValueError(f"id must be > 0, got {self.lora_int_id}")

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import argparse
 import json
+from typing import get_args
+
+from kiln.config import MaxLoraRank
 
 
 def human_readable_int(text: str) -> int:
@@ -161,9 +164,13 @@ SERVE_FLAGS: dict[str, tuple[str, str, dict]] = {
         {"type": json.loads, "metavar": "JSON", "help": 'e.g. {"enable_in_reasoning": true}'},
     ),
     "--reasoning-parser": ("model", "reasoning_parser", {"choices": ["deepseek_r1", "qwen3"]}),
-    "--enable-lora": ("lora", "enable_lora", {"action": "store_true", "help": "serve LoRA adapters"}),
+    "--enable-lora": (
+        "lora",
+        "enable_lora",
+        {"action": argparse.BooleanOptionalAction, "help": "serve LoRA adapters"},
+    ),
     "--max-loras": ("lora", "max_loras", {"type": int, "help": "the most adapters one step runs"}),
-    "--max-lora-rank": ("lora", "max_lora_rank", {"type": int}),
+    "--max-lora-rank": ("lora", "max_lora_rank", {"type": int, "choices": get_args(MaxLoraRank)}),
     "--max-cpu-loras": ("lora", "max_cpu_loras", {"type": int, "help": "adapters kept on the host"}),
     "--lora-dtype": ("lora", "lora_dtype", {"choices": ["auto", "float32", "bfloat16", "float16"]}),
     "--fully-sharded-loras": ("lora", "fully_sharded_loras", {"action": "store_true"}),

@@ -78,6 +78,23 @@ def test_missing_file() -> None:
             ["--chat-template", "no/such/template.jinja"],
             "model.chat_template: 'no/such/template.jinja' is neither",
         ),
+        (["--lora-modules", "sql"], "argument --lora-modules: 'sql' is not name=path or a JSON object"),
+        (
+            ["--lora-modules", "sql=/adapters/sql"],
+            "server.lora_modules needs lora.enable_lora (--enable-lora)",
+        ),
+        (
+            ["--lora-modules", '{"name": "sql"}'],
+            "key 'server.lora_modules[0]': Object missing required field `path`",
+        ),
+        (
+            ["--enable-lora", "--max-lora-rank", "12"],
+            "argument --max-lora-rank: invalid choice: 12 (choose from 1, 8, 16",
+        ),
+        (
+            ["--enable-lora", "--max-loras", "2", "--max-cpu-loras", "1"],
+            "max_cpu_loras (1) must be >= max_loras (2)",
+        ),
     ],
 )
 def test_serve_refuses_before_binding(flags: list[str], message: str, capsys: pytest.CaptureFixture) -> None:

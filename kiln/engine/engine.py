@@ -31,11 +31,11 @@ from kiln.engine.thinking import ThinkTags
 from kiln.engine.tokenizer import eos_token_ids, load_tokenizer, sampling_defaults
 from kiln.lora_request import LoRARequest
 from kiln.models.loader import inspect_model, load_model, resolve_model
-from kiln.models.lora import LoraDims
 from kiln.models.lora_adapter import Adapter
 from kiln.models.registry import headless
 from kiln.ops.backend import choose_backend
 from kiln.ops.cpu import threads
+from kiln.ops.lora import LoraDims
 from kiln.paths import cache_root
 from kiln.platform import resolve_device
 from kiln.pooling_params import PoolingParams

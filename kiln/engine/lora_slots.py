@@ -12,8 +12,8 @@ import torch
 
 from kiln.lora_request import LoRARequest
 from kiln.models.decoder import DecoderModel
-from kiln.models.lora import LoraStack
 from kiln.models.lora_adapter import Adapter, load_adapter
+from kiln.ops.lora import LoraStack
 
 log = logging.getLogger(__name__)
 

@@ -7,12 +7,12 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from kiln.models.lora import LoraDims, LoraStack, slot_mask
 from kiln.models.spec import ArchSpec, ModelDims
 from kiln.ops.activation import ACTIVATIONS
 from kiln.ops.attention import AttentionImpl, AttnMetadata
 from kiln.ops.backend import TORCH_KERNELS, Kernels
 from kiln.ops.linear import GateUp, Linear
+from kiln.ops.lora import LoraDims, LoraStack, slot_mask
 from kiln.ops.norm import layer_norm
 from kiln.ops.rotary import rope_cos_sin, rope_inv_freq
 from kiln.ops.torch_attention import TORCH_ATTENTION

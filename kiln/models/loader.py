@@ -13,12 +13,12 @@ from tqdm import tqdm
 from transformers import AutoConfig
 
 from kiln.models.decoder import DecoderModel
-from kiln.models.lora import LoraDims
 from kiln.models.registry import spec_for
 from kiln.models.spec import ArchSpec, ModelDims, Shard, expand, ignored, rule_applies
 from kiln.models.staging import Stager
 from kiln.ops.attention import AttentionImpl
 from kiln.ops.backend import Kernels, torch_kernels
+from kiln.ops.lora import LoraDims
 from kiln.ops.torch_attention import TORCH_ATTENTION
 from kiln.platform import native_matmul_dtypes
 

@@ -1,7 +1,7 @@
 import torch
 from torch import nn
 
-from kiln.models.lora import LoraStack
+from kiln.ops.lora import LoraStack
 from kiln.ops.matmul import Activation, Matmul
 
 
