@@ -70,8 +70,6 @@ class LoraSlots:
     @torch.inference_mode()
     def _write(self, slot: int, adapter: Adapter) -> None:
         for name, stack in self.stacks.items():
-            given = {shard: (a, b) for shard, a, b in adapter.weights.get(name, [])}
-            for shard in range(len(stack.shards)):
-                stack.write(slot, shard, *given.get(shard, (None, None)))
+            stack.write(slot, {shard: (a, b) for shard, a, b in adapter.weights.get(name, [])})
         self.slots[slot] = adapter.request.lora_int_id
         log.debug("LoRA adapter %s in slot %d", adapter.request.lora_name, slot)

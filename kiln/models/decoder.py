@@ -46,8 +46,8 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = d.num_heads, d.num_kv_heads, d.head_dim
         q, kv = self.q_size, self.kv_size = d.num_heads * d.head_dim, d.num_kv_heads * d.head_dim
         mm, h = kernels.matmul, d.hidden_size
-        self.qkv = Linear(h, q + 2 * kv, d.qkv_bias, mm, LoraStack.of(lora, h, [q, kv, kv]))
-        self.o = Linear(q, h, d.o_bias, mm, LoraStack.of(lora, q, [h]))
+        self.qkv = Linear(h, q + 2 * kv, d.qkv_bias, mm, LoraStack.of(lora, h, [q, kv, kv], mm))
+        self.o = Linear(q, h, d.o_bias, mm, LoraStack.of(lora, q, [h], mm))
         self.q_norm = Norm("rms", d.head_dim, d.norm_eps, kernels) if d.qk_norm else None
         self.k_norm = Norm("rms", d.head_dim, d.norm_eps, kernels) if d.qk_norm else None
         self.scale = d.head_dim**-0.5
@@ -78,8 +78,8 @@ class GatedMLP(nn.Module):
     def __init__(self, d: ModelDims, kernels: Kernels, lora: LoraDims | None) -> None:
         super().__init__()
         mm, h, n = kernels.matmul, d.hidden_size, d.intermediate_size
-        self.gate_up = GateUp(h, n, d.mlp_bias, mm, kernels.silu_and_mul, LoraStack.of(lora, h, [n, n]))
-        self.down = Linear(n, h, d.mlp_bias, mm, LoraStack.of(lora, n, [h]))
+        self.gate_up = GateUp(h, n, d.mlp_bias, mm, kernels.silu_and_mul, LoraStack.of(lora, h, [n, n], mm))
+        self.down = Linear(n, h, d.mlp_bias, mm, LoraStack.of(lora, n, [h], mm))
 
     def forward(self, x: torch.Tensor, lora_mask: torch.Tensor | None) -> torch.Tensor:
         return self.down(self.gate_up(x, lora_mask), lora_mask)
@@ -89,8 +89,8 @@ class PlainMLP(nn.Module):
     def __init__(self, d: ModelDims, kernels: Kernels, lora: LoraDims | None) -> None:
         super().__init__()
         mm, h, n = kernels.matmul, d.hidden_size, d.intermediate_size
-        self.fc = Linear(h, n, d.mlp_bias, mm, LoraStack.of(lora, h, [n]))
-        self.proj = Linear(n, h, d.mlp_bias, mm, LoraStack.of(lora, n, [h]))
+        self.fc = Linear(h, n, d.mlp_bias, mm, LoraStack.of(lora, h, [n], mm))
+        self.proj = Linear(n, h, d.mlp_bias, mm, LoraStack.of(lora, n, [h], mm))
         self.act = ACTIVATIONS[d.hidden_act]
 
     def forward(self, x: torch.Tensor, lora_mask: torch.Tensor | None) -> torch.Tensor:
@@ -218,8 +218,7 @@ class DecoderModel(nn.Module):
             if isinstance(module, Linear | MoE) and module is not self.lm_head:
                 module.pack()
             if isinstance(module, LoraStack):
-                assert self.lora is not None
-                module.reset(self.lora.dtype or self.kernels.activations or self.embed.weight.dtype)
+                module.reset(self.kernels.activations or self.embed.weight.dtype, device)
         head = self.embed.weight if self.lm_head is None else self.lm_head.weight
         self.logits_weight = self.kernels.matmul.pack_head(head)
 

@@ -8,15 +8,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+
+from kiln.ops.matmul import Matmul
 
 
 @dataclass(frozen=True, slots=True)
 class LoraDims:
     max_loras: int  # slots: the most adapters one step runs
     max_rank: int  # each slot's rank; a smaller adapter is padded with zeros
-    dtype: torch.dtype | None = None  # the slots' (None: the activations')
+    dtype: torch.dtype | None = None  # the adapters' precision (None: as read); slots hold activations' dtype
 
     @property
     def width(self) -> int:
@@ -24,44 +25,60 @@ class LoraDims:
 
 
 class LoraStack(nn.Module):
-    """A linear layer's adapters, for its shards (q, k, v of a fused projection: each its own adapter).
-    a: [shards * slots * rank, in], rows of shard s, slot j at (s * slots + j) * rank; b: [out, shards *
-    slots * rank], block-diagonal over the shards, each B scaled by its adapter's alpha / r."""
+    """A linear layer's adapters, for its shards (q, k, v of a fused projection: each its own adapter),
+    multiplied by the layer's own Matmul (Inductor's code for these small GEMMs cost a batch-16 CPU step
+    more than the adapters' arithmetic). A: [shards * slots * rank, in], rows of shard s, slot j at
+    (s * slots + j) * rank; B: [out, shards * slots * rank], block-diagonal over the shards, each B scaled
+    by its adapter's alpha / r. `a` and `b` are them in the Matmul's layout, rewritten in place when a slot
+    changes (graphs hold them); `raw_a` and `raw_b` as written."""
 
-    def __init__(self, dims: LoraDims, in_features: int, shards: list[int]) -> None:
+    def __init__(self, dims: LoraDims, in_features: int, shards: list[int], matmul: Matmul) -> None:
         super().__init__()
-        self.dims, self.shards = dims, shards
+        self.dims, self.shards, self.matmul = dims, shards, matmul
         self.offsets = [sum(shards[:s]) for s in range(len(shards))]
-        cols = len(shards) * dims.width
-        self.a = nn.Parameter(torch.empty(cols, in_features), requires_grad=False)
-        self.b = nn.Parameter(torch.empty(sum(shards), cols), requires_grad=False)
+        self.cols = len(shards) * dims.width
+        self.raw_a = torch.empty(0)
+        self.raw_b = torch.empty(0)
+        self.in_features = in_features
+        self.a: nn.Parameter | None = None
+        self.b: nn.Parameter | None = None
 
     @classmethod
-    def of(cls, dims: LoraDims | None, in_features: int, shards: list[int]) -> LoraStack | None:
-        return None if dims is None else cls(dims, in_features, shards)
+    def of(
+        cls, dims: LoraDims | None, in_features: int, shards: list[int], matmul: Matmul
+    ) -> LoraStack | None:
+        return None if dims is None else cls(dims, in_features, shards, matmul)
 
-    def reset(self, dtype: torch.dtype) -> None:
+    def reset(self, dtype: torch.dtype, device: torch.device) -> None:
         """Empty slots, in the activations' dtype (after loading, as the base weights are packed)."""
-        self.a = nn.Parameter(torch.zeros_like(self.a, dtype=dtype), requires_grad=False)
-        self.b = nn.Parameter(torch.zeros_like(self.b, dtype=dtype), requires_grad=False)
+        self.raw_a = torch.zeros(self.cols, self.in_features, dtype=dtype, device=device)
+        self.raw_b = torch.zeros(sum(self.shards), self.cols, dtype=dtype, device=device)
+        self.a = nn.Parameter(self.matmul.pack(self.raw_a), requires_grad=False)
+        self.b = nn.Parameter(self.matmul.pack(self.raw_b), requires_grad=False)
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """mask [tokens, slots * rank]: 1 on the columns of each token's slot, 0 elsewhere (no adapter)."""
-        xa = F.linear(x.to(self.a.dtype), self.a) * mask.repeat(1, len(self.shards))
-        return F.linear(xa, self.b).to(x.dtype)
+        assert self.a is not None and self.b is not None, "reset() after loading"
+        xa = self.matmul.linear(x, self.a, None, self.cols) * mask.repeat(1, len(self.shards))
+        return self.matmul.linear(xa, self.b, None, self.raw_b.shape[0])
 
-    def write(self, slot: int, shard: int, a: torch.Tensor | None, b: torch.Tensor | None) -> None:
-        """One shard's A [r, in] and scaled B [out, r] into the slot; None clears it."""
-        rank, out = self.dims.max_rank, self.shards[shard]
-        first = (shard * self.dims.max_loras + slot) * rank
-        cols = slice(first, first + rank)
-        rows = slice(self.offsets[shard], self.offsets[shard] + out)
-        self.a[cols] = 0
-        self.b[rows, cols] = 0
-        if a is not None and b is not None:
-            r = a.shape[0]
-            self.a[cols][:r] = a
-            self.b[rows, cols][:, :r] = b
+    def write(self, slot: int, weights: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """The slot's A [r, in] and scaled B [out, r] for each shard it adapts (the others cleared), rounded
+        through the adapters' dtype where one is set."""
+        assert self.a is not None and self.b is not None, "reset() after loading"
+        rank = self.dims.max_rank
+        for shard, out in enumerate(self.shards):
+            first = (shard * self.dims.max_loras + slot) * rank
+            cols = slice(first, first + rank)
+            rows = slice(self.offsets[shard], self.offsets[shard] + out)
+            self.raw_a[cols] = 0
+            self.raw_b[rows, cols] = 0
+            if shard in weights:
+                a, b = (t.to(self.dims.dtype or t.dtype) for t in weights[shard])
+                self.raw_a[cols][: a.shape[0]] = a
+                self.raw_b[rows, cols][:, : b.shape[1]] = b
+        self.a.data.copy_(self.matmul.pack(self.raw_a))
+        self.b.data.copy_(self.matmul.pack(self.raw_b))
 
 
 def slot_mask(slots: torch.Tensor, dims: LoraDims, dtype: torch.dtype) -> torch.Tensor:
