@@ -55,7 +55,8 @@ class Adapters:
         ]
 
     async def add(self, engine: AsyncEngine, name: str, path: str, base: str | None = None) -> LoRARequest:
-        lora = LoRARequest(name, next(self._ids), path, base)
+        # As vLLM: a base_model_name counts only where it names a served base model.
+        lora = LoRARequest(name, next(self._ids), path, base if base in self.base_names else None)
         await engine.add_lora(lora)
         engine.served_loras[name] = lora
         log.info("serving LoRA adapter %s (%s)", name, path)
