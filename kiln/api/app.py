@@ -18,7 +18,6 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from kiln.api.adapters import Adapters, LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest, vllm_flag
 from kiln.api.chat import create_chat_completion
 from kiln.api.classify import create_classification
 from kiln.api.completions import create_completion
@@ -40,10 +39,10 @@ from kiln.api.protocol import (
     ScoreRequest,
     TokenizeRequest,
 )
-from kiln.api.responses import ModelCard, ModelList
 from kiln.api.responses_api import create_response
 from kiln.api.responses_protocol import ResponsesRequest
 from kiln.api.scores import create_rerank, create_score
+from kiln.api.served_models import LoadLoRAAdapterRequest, ServedModels, UnloadLoRAAdapterRequest, vllm_flag
 from kiln.api.tokenize import detokenize, tokenize
 from kiln.api.tokenizer_info import tokenizer_info
 from kiln.engine.async_engine import AsyncEngine
@@ -69,10 +68,9 @@ class App:
         model = config.model.model
         served = config.server.served_model_name
         # As vLLM: a request may name the model by any of these; responses carry the first.
-        self.model_names = [served] if isinstance(served, str) else served or []
-        if not self.model_names:
-            self.model_names = [DEFAULT_MODEL_NAME if model == "default" else model]
-        self.model_name = self.model_names[0]
+        names = [served] if isinstance(served, str) else served or []
+        self.models = ServedModels(names or [DEFAULT_MODEL_NAME if model == "default" else model])
+        self.model_name = self.models.name
         self.started = time.perf_counter() if started is None else started
         self.imports = imports
         self.engine: AsyncEngine | None = None
@@ -82,7 +80,6 @@ class App:
         self.stopped = asyncio.Event()  # set when the server should close
         self.exit_code = 0
         self.load = ServerLoad()
-        self.adapters = Adapters(self.model_names)
         post, get = ["POST"], ["GET"]
         invoke = functools.partial(create_invocation, check_model=self._check_model)
         # The requests GET /load counts, as vLLM's load_aware_call: those that run the model.
@@ -98,13 +95,13 @@ class App:
         ]
         info = [("/tokenizer_info", tokenizer_info)] if config.server.enable_tokenizer_info_endpoint else []
         loras = [
-            ("/v1/load_lora_adapter", self.adapters.load, LoadLoRAAdapterRequest),
-            ("/v1/unload_lora_adapter", self.adapters.unload, UnloadLoRAAdapterRequest),
+            ("/v1/load_lora_adapter", self.models.load, LoadLoRAAdapterRequest),
+            ("/v1/unload_lora_adapter", self.models.unload, UnloadLoRAAdapterRequest),
         ]
         self.starlette = Starlette(
             routes=[
                 *(Route(p, self._api(p, h, kind, counted=True), methods=post) for p, h, kind in work),
-                Route("/v1/models", self._api("/v1/models", self._models), methods=get),
+                Route("/v1/models", self._api("/v1/models", self.models.list), methods=get),
                 Route("/tokenize", self._api("/tokenize", tokenize, TokenizeRequest), methods=post),
                 Route("/detokenize", self._api("/detokenize", detokenize, DetokenizeRequest), methods=post),
                 *(Route(p, self._api(p, h), methods=get) for p, h in info),
@@ -150,7 +147,7 @@ class App:
             return
         try:
             for m in self.config.server.lora_modules:
-                await self.adapters.add(engine, m.name, m.path, m.base_model_name)
+                await self.models.add(engine, m.name, m.path, m.base_model_name)
         except ValueError as e:
             log.error("--lora-modules: %s", e)
             await engine.shutdown()
@@ -255,16 +252,7 @@ class App:
         return b"".join(chunks)
 
     def _check_model(self, body: Any) -> None:
-        name = getattr(body, "model", None)
-        served = self.engine.served_loras if self.engine is not None else {}
-        if (
-            name
-            and name not in self.model_names
-            and name not in served
-            and not vllm_flag("VLLM_SKIP_MODEL_NAME_VALIDATION")
-        ):
-            aliases = ", ".join(self.model_names)
-            raise APIError(404, f"The model `{name}` does not exist. Valid aliases: {aliases}.", "model")
+        self.models.check(getattr(body, "model", None), self.engine)
 
     def _api(
         self, path: str, handler: Handler, kind: type | None = None, counted: bool = False
@@ -303,11 +291,6 @@ class App:
         return APIError(exc.status_code, str(exc.detail)).response()
 
     # -- small endpoints ------------------------------------------------------------------------
-
-    async def _models(self, engine: AsyncEngine, inputs: Inputs, request: Request, body: None) -> ModelList:
-        root, length = str(engine.model_path), engine.max_model_len
-        cards = [ModelCard(id=name, root=root, max_model_len=length) for name in self.model_names]
-        return ModelList(cards + self.adapters.cards(engine))
 
     async def _health(self, request: Request) -> Response:
         try:

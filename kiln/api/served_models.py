@@ -1,5 +1,6 @@
-"""The LoRA adapters a server serves, by name (vLLM's --lora-modules and its runtime load/unload
-endpoints): a request's `model` names the base model or one of them."""
+"""The names a server answers to, as vLLM's OpenAIServingModels: the model's (--served-model-name) and its
+LoRA adapters' (--lora-modules, and the runtime load/unload endpoints). A request's `model` names one of
+them; GET /v1/models lists them."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from starlette.responses import PlainTextResponse
 
 from kiln.api.errors import APIError
 from kiln.api.inputs import Inputs
-from kiln.api.responses import ModelCard
+from kiln.api.responses import ModelCard, ModelList
 from kiln.engine.async_engine import AsyncEngine
 from kiln.lora_request import LoRARequest
 from kiln.models.lora_adapter import AdapterNotFound
@@ -40,23 +41,38 @@ def vllm_flag(name: str) -> bool:
     return os.environ.get(name, "0").strip().lower() in ("1", "true")
 
 
-class Adapters:
-    """Keeps the engine's served_loras: the names a request's `model` may give besides the base model's."""
+class ServedModels:
+    """The adapters are the engine's served_loras (it resolves a request's adapter from them)."""
 
-    def __init__(self, base_names: list[str]) -> None:
-        self.base_names = base_names
-        self.base = base_names[0]  # each adapter's parent
+    def __init__(self, names: list[str]) -> None:
+        self.names = names
+        self.name = names[0]  # what responses carry, and each adapter's parent
         self._ids = itertools.count(1)
 
-    def cards(self, engine: AsyncEngine) -> list[ModelCard]:
-        return [
-            ModelCard(id=name, root=lora.lora_path, parent=lora.base_model_name or self.base)
-            for name, lora in engine.served_loras.items()
-        ]
+    def check(self, model: str | None, engine: AsyncEngine | None) -> None:
+        """A 404 for a name the server does not answer to, unless VLLM_SKIP_MODEL_NAME_VALIDATION."""
+        served = engine.served_loras if engine is not None else {}
+        if (
+            not model
+            or model in self.names
+            or model in served
+            or vllm_flag("VLLM_SKIP_MODEL_NAME_VALIDATION")
+        ):
+            return
+        aliases = ", ".join(self.names)
+        raise APIError(404, f"The model `{model}` does not exist. Valid aliases: {aliases}.", "model")
+
+    async def list(self, engine: AsyncEngine, inputs: Inputs, request: Request, body: None) -> ModelList:
+        """GET /v1/models: the model under each name, then each adapter, as vLLM's."""
+        root, length = str(engine.model_path), engine.max_model_len
+        cards = [ModelCard(id=name, root=root, max_model_len=length) for name in self.names]
+        for name, lora in engine.served_loras.items():
+            cards.append(ModelCard(id=name, root=lora.lora_path, parent=lora.base_model_name or self.name))
+        return ModelList(cards)
 
     async def add(self, engine: AsyncEngine, name: str, path: str, base: str | None = None) -> LoRARequest:
         # As vLLM: a base_model_name counts only where it names a served base model.
-        lora = LoRARequest(name, next(self._ids), path, base if base in self.base_names else None)
+        lora = LoRARequest(name, next(self._ids), path, base if base in self.names else None)
         await engine.add_lora(lora)
         engine.served_loras[name] = lora
         log.info("serving LoRA adapter %s (%s)", name, path)
@@ -70,7 +86,7 @@ class Adapters:
         name, path = body.lora_name, body.lora_path
         if not name or not path:
             raise APIError(400, "Both 'lora_name' and 'lora_path' must be provided.", kind=INVALID)
-        if name in self.base_names:
+        if name in self.names:
             raise APIError(
                 400, f"The lora adapter '{name}' conflicts with a served base model.", kind=INVALID
             )
