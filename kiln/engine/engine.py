@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +23,6 @@ from kiln.engine.grammar import Grammars
 from kiln.engine.memory import kv_cache_blocks
 from kiln.engine.output import OutputProcessor, Parent, RequestOutput
 from kiln.engine.pooler import resolve_pooler
-from kiln.engine.request import Request
 from kiln.engine.runner import ModelRunner
 from kiln.engine.scheduler import ScheduledBatch, Scheduler
 from kiln.engine.step_result import StepResult
@@ -294,27 +293,14 @@ class LLMEngine:
         return result
 
     def stats(self) -> dict[str, Any]:
+        s, loras = self.scheduler, self.runner.loras
         return {
-            "running": len(self.scheduler.running),
-            "waiting": len(self.scheduler.waiting),
+            "running": len(s.running),
+            "waiting": len(s.waiting),
             "kv_cache_usage": self.block_manager.usage,
             "prefix_cache_queries": self.block_manager.prefix_queries,
             "prefix_cache_hits": self.block_manager.prefix_hits,
-            "preemptions": self.scheduler.num_preemptions,
+            "preemptions": s.num_preemptions,
             "grammars": self.grammars.stats,
-            "lora": None if self.runner.loras is None else self._lora_stats(),
-        }
-
-    def _lora_stats(self) -> dict[str, Any]:
-        """vLLM's lora_requests_info: the adapters of the running and the waiting requests, by name."""
-        s = self.scheduler
-
-        def names(reqs: Iterable[Request]) -> str:
-            return ",".join(sorted({r.lora.lora_name for r in reqs if r.lora is not None}))
-
-        assert self.model.lora is not None
-        return {
-            "max_lora": self.model.lora.max_loras,
-            "running": names(s.running),
-            "waiting": names(s.waiting),
+            "lora": None if loras is None else loras.requests_info(s.running, s.waiting),
         }

@@ -6,10 +6,13 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
+from collections.abc import Iterable
+from typing import Any
 
 import numpy as np
 import torch
 
+from kiln.engine.request import Request
 from kiln.lora_request import LoRARequest
 from kiln.models.decoder import DecoderModel
 from kiln.models.lora_adapter import Adapter, load_adapter
@@ -53,6 +56,14 @@ class LoraSlots:
     def drop(self, lora_int_id: int) -> None:
         """Forgets the host copy; a slot holding it keeps it until another adapter needs the slot."""
         self.adapters.pop(lora_int_id, None)
+
+    def requests_info(self, running: Iterable[Request], waiting: Iterable[Request]) -> dict[str, Any]:
+        """vLLM's lora_requests_info: the slots, and the adapters of the running and waiting requests."""
+
+        def names(reqs: Iterable[Request]) -> str:
+            return ",".join(sorted({r.lora.lora_name for r in reqs if r.lora is not None}))
+
+        return {"max_lora": len(self.slots), "running": names(running), "waiting": names(waiting)}
 
     def assign(self, loras: list[LoRARequest | None]) -> np.ndarray:
         """Each request's slot (-1: no adapter), loading into slots the adapters not in one."""
