@@ -176,7 +176,8 @@ class LoraConfig(_Section):
     max_loras: Annotated[int, Meta(ge=1)] = 1
     max_lora_rank: MaxLoraRank = 16
     max_cpu_loras: Annotated[int, Meta(ge=1)] | None = None  # adapters kept on the host (null: max_loras)
-    # The adapters' dtype in the slots; auto: the activations' (kiln adds them to the activations there).
+    # The adapters' precision: their weights are rounded to it (auto: as read); the slots keep them in the
+    # activations' dtype.
     lora_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     fully_sharded_loras: bool = False  # a tensor-parallel layout: one device has nothing to shard
 

@@ -12,7 +12,7 @@ from tqdm import tqdm
 from kiln.config import EngineConfig
 from kiln.engine.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams, advance_all
 from kiln.engine.chat_template import render_chat
-from kiln.engine.content_format import resolve_content_format, template_content
+from kiln.engine.content_format import resolve_content_format, template_content, text_parts
 from kiln.engine.engine import LLMEngine
 from kiln.engine.output import RequestOutput
 from kiln.engine.pooler import check_pairs, pair_scores
@@ -216,7 +216,7 @@ class LLM:
         fmt = resolve_content_format(chat_template_content_format, tokenizer.chat_template)
         return render_chat(
             tokenizer,
-            [{**m, "content": template_content(_texts(m.get("content")), fmt)} for m in messages],
+            [{**m, "content": template_content(text_parts(m.get("content")), fmt)} for m in messages],
             add_generation_prompt,
             chat_template_kwargs,
             tools,
@@ -292,12 +292,3 @@ def _per_prompt(
             f"The lengths of prompts ({n}) and lora_request ({len(lora_request)}) must be the same."
         )
     return list(lora_request)
-
-
-def _texts(content: str | list[dict[str, Any]] | None) -> list[str]:
-    """A message's content as its text parts (ValueError for any other kind of part)."""
-    if content is None or isinstance(content, str):
-        return [] if content is None else [content]
-    if any(part.get("type") != "text" for part in content):
-        raise ValueError("only text content parts are supported")
-    return [part.get("text") or "" for part in content]

@@ -172,11 +172,11 @@ def start_all(
             message = f"the X-Vllm-Priority header must be an integer, not {header!r}"
             raise APIError(400, message, "priority") from None
     engine_id = f"{response_id}-{uuid.uuid4().hex[:8]}"
+    lora = engine.served_loras.get(body.model) if body.model else None
     streams: list[RequestStream] = []
     try:
         for i, (ids, p) in enumerate(zip(prompts, params, strict=True)):
             rid = f"{engine_id}-{i}" if len(prompts) > 1 else engine_id
-            lora = engine.served_loras.get(body.model) if body.model else None
             streams.append(engine.generate(ids, p, rid, priority, body.cache_salt, lora))
     except BaseException:
         for s in streams:

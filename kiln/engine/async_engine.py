@@ -149,10 +149,9 @@ class AsyncEngine:
         return stream
 
     async def add_lora(self, lora: LoRARequest) -> None:
-        """Reads and checks an adapter off the event loop (ValueError), then hands it to the engine."""
-        if self.engine.runner.loras is None:
-            raise ValueError("LoRA is not enabled: start the server with --enable-lora")
-        adapter = await asyncio.to_thread(load_adapter, lora, self.engine.model)
+        """Reads and checks an adapter off the event loop (ValueError, LoRA off too), then hands it to the
+        engine."""
+        adapter = await asyncio.to_thread(load_adapter, lora, self.engine.loras.model)
         self._commands.put(_Lora(adapter))
 
     def remove_lora(self, lora_int_id: int) -> None:
@@ -224,7 +223,7 @@ class AsyncEngine:
             engine.abort(command.request_id)
             return
         if isinstance(command, _Lora):
-            engine.keep_lora(command.adapter) if command.adapter else engine.drop_lora(command.lora_int_id)
+            engine.loras.keep(command.adapter) if command.adapter else engine.loras.drop(command.lora_int_id)
             return
         try:
             c = command

@@ -27,6 +27,15 @@ def resolve_content_format(given: str, template: Any) -> ContentFormat:
     return detect_content_format(template) if isinstance(template, str) else "string"
 
 
+def text_parts(content: str | list[dict[str, Any]] | None) -> list[str]:
+    """An offline message's content as its text parts (ValueError for any other kind of part)."""
+    if content is None or isinstance(content, str):
+        return [] if content is None else [content]
+    if any(part.get("type") != "text" for part in content):
+        raise ValueError("only text content parts are supported")
+    return [part.get("text") or "" for part in content]
+
+
 def template_content(texts: list[str], fmt: ContentFormat) -> str | list[dict[str, str]]:
     """A message's text parts as the template reads them: joined by newlines, or as OpenAI's parts."""
     return "\n".join(texts) if fmt == "string" else [{"type": "text", "text": t} for t in texts]

@@ -20,6 +20,7 @@ from kiln.engine.bad_words import BadWords
 from kiln.engine.block_manager import BlockManager
 from kiln.engine.dummy_steps import DummySteps
 from kiln.engine.grammar import Grammars
+from kiln.engine.lora_slots import LoraSlots
 from kiln.engine.memory import kv_cache_blocks
 from kiln.engine.output import OutputProcessor, Parent, RequestOutput
 from kiln.engine.pooler import resolve_pooler
@@ -29,8 +30,7 @@ from kiln.engine.step_result import StepResult
 from kiln.engine.thinking import ThinkTags
 from kiln.engine.tokenizer import eos_token_ids, load_tokenizer, sampling_defaults
 from kiln.lora_request import LoRARequest
-from kiln.models.loader import inspect_model, load_model, resolve_model
-from kiln.models.lora_adapter import Adapter
+from kiln.models.loader import DTYPES, inspect_model, load_model, resolve_model
 from kiln.models.registry import headless
 from kiln.ops.backend import choose_backend
 from kiln.ops.cpu import threads
@@ -41,8 +41,6 @@ from kiln.pooling_params import PoolingParams
 from kiln.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
-
-_DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 class LLMEngine:
@@ -95,7 +93,7 @@ class LLMEngine:
         built = time.perf_counter() - start
         dummy = config.model.load_format == "dummy"
         lo = config.lora
-        lora = LoraDims(lo.max_loras, lo.max_lora_rank, _DTYPES[lo.lora_dtype]) if lo.enable_lora else None
+        lora = LoraDims(lo.max_loras, lo.max_lora_rank, DTYPES.get(lo.lora_dtype)) if lo.enable_lora else None
         self.model = load_model(
             path,
             config.model.dtype,
@@ -211,7 +209,7 @@ class LLMEngine:
             admission.check_options(priority, cache_salt)
             bad_words = admission.check_params(params)
         if lora is not None:
-            self.load_lora(lora)
+            self.loras.load(lora)
         ids = admission.tokenize(prompt, params)
         if isinstance(params, PoolingParams):
             children = [admission.pooled_request(request_id, ids, params, priority, cache_salt)]
@@ -224,20 +222,12 @@ class LLMEngine:
         for child in children:
             self.scheduler.add(child)
 
-    def load_lora(self, lora: LoRARequest) -> Adapter:
-        """Reads and checks an adapter (ValueError), or finds it held."""
+    @property
+    def loras(self) -> LoraSlots:
+        """The adapter slots (ValueError where the engine was made without them)."""
         if self.runner.loras is None:
-            raise ValueError(f"LoRA adapter {lora.lora_name!r}: LoRA is not enabled (--enable-lora)")
-        return self.runner.loras.load(lora)
-
-    def keep_lora(self, adapter: Adapter) -> None:
-        """An adapter read and checked elsewhere (the server, off its event loop), held from now on."""
-        assert self.runner.loras is not None
-        self.runner.loras.keep(adapter)
-
-    def drop_lora(self, lora_int_id: int) -> None:
-        if self.runner.loras is not None:
-            self.runner.loras.drop(lora_int_id)
+            raise ValueError("LoRA is not enabled (--enable-lora)")
+        return self.runner.loras
 
     def abort(self, request_id: str) -> None:
         parent = self.output.parents.pop(request_id, None)

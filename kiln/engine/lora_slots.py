@@ -70,7 +70,10 @@ class LoraSlots:
         ids = [-1 if r is None else r.lora_int_id for r in loras]
         needed = {i: r for i, r in zip(ids, loras, strict=True) if r is not None}
         slot_of = {a: s for s, a in enumerate(self.slots) if a is not None}
-        free = [s for s, a in enumerate(self.slots) if a not in needed]
+        # Empty slots first: a held adapter stays for a later step that may want it.
+        free = sorted(
+            (s for s, a in enumerate(self.slots) if a not in needed), key=lambda s: self.slots[s] is not None
+        )
         for lora_id, request in needed.items():
             if lora_id not in slot_of:
                 slot = free.pop(0)  # the scheduler admits no more adapters a step than there are slots

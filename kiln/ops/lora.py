@@ -36,10 +36,9 @@ class LoraStack(nn.Module):
         super().__init__()
         self.dims, self.shards, self.matmul = dims, shards, matmul
         self.offsets = [sum(shards[:s]) for s in range(len(shards))]
-        self.cols = len(shards) * dims.width
+        self.cols, self.in_features, self.out_features = len(shards) * dims.width, in_features, sum(shards)
         self.raw_a = torch.empty(0)
         self.raw_b = torch.empty(0)
-        self.in_features = in_features
         self.a: nn.Parameter | None = None
         self.b: nn.Parameter | None = None
 
@@ -52,7 +51,7 @@ class LoraStack(nn.Module):
     def reset(self, dtype: torch.dtype, device: torch.device) -> None:
         """Empty slots, in the activations' dtype (after loading, as the base weights are packed)."""
         self.raw_a = torch.zeros(self.cols, self.in_features, dtype=dtype, device=device)
-        self.raw_b = torch.zeros(sum(self.shards), self.cols, dtype=dtype, device=device)
+        self.raw_b = torch.zeros(self.out_features, self.cols, dtype=dtype, device=device)
         self.a = nn.Parameter(self.matmul.pack(self.raw_a), requires_grad=False)
         self.b = nn.Parameter(self.matmul.pack(self.raw_b), requires_grad=False)
 
@@ -60,7 +59,7 @@ class LoraStack(nn.Module):
         """mask [tokens, slots * rank]: 1 on the columns of each token's slot, 0 elsewhere (no adapter)."""
         assert self.a is not None and self.b is not None, "reset() after loading"
         xa = self.matmul.linear(x, self.a, None, self.cols) * mask.repeat(1, len(self.shards))
-        return self.matmul.linear(xa, self.b, None, self.raw_b.shape[0])
+        return self.matmul.linear(xa, self.b, None, self.out_features)
 
     def write(self, slot: int, weights: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> None:
         """The slot's A [r, in] and scaled B [out, r] for each shard it adapts (the others cleared), rounded
