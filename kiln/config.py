@@ -92,6 +92,38 @@ class CacheConfig(_Section):
         return msgspec.structs.replace(self, block_size=32 if device_type == "cpu" else 16)
 
 
+class SpeculativeConfig(_Section):
+    """vLLM's --speculative-config, for its prompt-lookup (n-gram) method: each decoding request drafts up to
+    num_speculative_tokens tokens by finding its last n tokens (prompt_lookup_max down to prompt_lookup_min)
+    earlier in its prompt and output, and one step checks them all. Either lookup bound alone sets both;
+    neither: 5, as vLLM."""
+
+    method: str | None = None
+    model: str | None = None  # vLLM's older spelling of the method ("ngram")
+    num_speculative_tokens: Annotated[int, Meta(ge=1)] | None = None
+    prompt_lookup_max: Annotated[int, Meta(ge=1)] | None = None
+    prompt_lookup_min: Annotated[int, Meta(ge=1)] | None = None
+
+    def __post_init__(self) -> None:
+        method = self.method or self.model
+        if method not in ("ngram", "[ngram]"):
+            raise ValueError(
+                f"speculative method {method!r} is not built: kiln drafts by prompt lookup only "
+                '({"method": "ngram"}); draft models, EAGLE, Medusa and MTP are not'
+            )
+        if self.num_speculative_tokens is None:
+            raise ValueError("num_speculative_tokens is needed with the ngram method")
+        self.method, self.model = "ngram", None
+        low, high = self.prompt_lookup_min, self.prompt_lookup_max
+        self.prompt_lookup_min = low or high or 5
+        self.prompt_lookup_max = high or low or 5
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(
+                f"prompt_lookup_min={self.prompt_lookup_min} must be <= prompt_lookup_max="
+                f"{self.prompt_lookup_max}"
+            )
+
+
 class SchedulerConfig(_Section):
     # null: vLLM's server defaults for the device (`on`). vLLM's offline LLM takes more tokens on a GPU (16384
     # on the large ones, 8192 on others); kiln's LLM takes the server's.
@@ -121,6 +153,15 @@ class SchedulerConfig(_Section):
     # and a prompt waits while the step has too few tokens left for it; max_num_batched_tokens must then
     # hold max_model_len, which is its default.
     enable_chunked_prefill: bool = True
+    # vLLM's --speculative-config (n-gram prompt lookup): drafts checked in one step. null: off.
+    speculative_config: SpeculativeConfig | None = None
+
+    def __post_init__(self) -> None:
+        if self.speculative_config is not None and self.async_scheduling:
+            raise ValueError(
+                "async_scheduling with speculative_config is not supported: drafts are looked up in the "
+                "tokens the last step landed"
+            )
 
     def on(
         self, device_type: str, gpu_memory: int = 0, gpu_name: str = "", max_model_len: int = 0
@@ -151,7 +192,9 @@ class SchedulerConfig(_Section):
         )
 
     def use_async(self, device_type: str) -> bool:
-        return device_type == "cuda" if self.async_scheduling is None else self.async_scheduling
+        if self.async_scheduling is None:
+            return device_type == "cuda" and self.speculative_config is None
+        return self.async_scheduling
 
     def prefill_chunk(self, device_type: str, tiles: bool = False) -> int:
         """The most tokens one request prefills in a step; tiles: the CPU kernels run on AMX tiles."""

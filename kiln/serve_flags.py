@@ -174,6 +174,16 @@ SERVE_FLAGS: dict[str, tuple[str, str, dict]] = {
     "--max-cpu-loras": ("lora", "max_cpu_loras", {"type": int, "help": "adapters kept on the host"}),
     "--lora-dtype": ("lora", "lora_dtype", {"choices": ["auto", "float32", "bfloat16", "float16"]}),
     "--fully-sharded-loras": ("lora", "fully_sharded_loras", {"action": "store_true"}),
+    "--speculative-config": (
+        "scheduler",
+        "speculative_config",
+        {
+            "type": json.loads,
+            "metavar": "JSON",
+            "aliases": ("-sc",),
+            "help": '{"method": "ngram", "num_speculative_tokens": 4}',
+        },
+    ),
     "--lora-modules": (
         "server",
         "lora_modules",

@@ -26,6 +26,7 @@ from kiln.engine.output import OutputProcessor, Parent, RequestOutput
 from kiln.engine.pooler import resolve_pooler
 from kiln.engine.runner import ModelRunner
 from kiln.engine.scheduler import ScheduledBatch, Scheduler
+from kiln.engine.speculative import Drafter, DraftStats
 from kiln.engine.step_result import StepResult
 from kiln.engine.thinking import ThinkTags
 from kiln.engine.tokenizer import eos_token_ids, load_tokenizer, sampling_defaults
@@ -148,10 +149,18 @@ class LLMEngine:
             num_blocks, config.cache.block_size, config.cache.enable_prefix_caching
         )
         chunk = config.scheduler.prefill_chunk(device.type, self.backend.tiles(dtype))
-        self.scheduler = Scheduler(config.scheduler, self.block_manager, chunk, lora and lora.max_loras)
+        spec = config.scheduler.speculative_config
+        self.scheduler = Scheduler(
+            config.scheduler,
+            self.block_manager,
+            chunk,
+            lora and lora.max_loras,
+            None if spec is None else Drafter(spec),
+        )
         self.async_scheduling = config.scheduler.use_async(device.type)
         self.in_flight: StepResult | None = None  # the launched step whose outputs are not yet processed
-        self.output = OutputProcessor(self.tokenizer, self.eos_token_ids, self.scheduler.finish)
+        self.drafts = None if spec is None else DraftStats.of(spec)
+        self.output = OutputProcessor(self.tokenizer, self.eos_token_ids, self.scheduler.finish, self.drafts)
         self.timings["KV cache"] = time.perf_counter() - clock
         log.info(
             "engine ready: %s (%s), %d KV blocks of %d tokens, max_model_len %d; kernels %s, attention %s, "
@@ -293,4 +302,5 @@ class LLMEngine:
             "preemptions": s.num_preemptions,
             "grammars": self.grammars.stats,
             "lora": None if loras is None else loras.requests_info(s.running, s.waiting),
+            "drafts": self.drafts,
         }

@@ -13,6 +13,7 @@ from prometheus_client.registry import Collector
 
 from kiln.engine.grammar import COMPILE_BUCKETS
 from kiln.engine.queue_limits import REASONS
+from kiln.engine.speculative import DraftStats
 
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1, 2.5, 5, 10, 20, 40, 80)
 ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1, 2.5, 5, 10, 20, 40)
@@ -72,6 +73,8 @@ class _EngineState(Collector):
             )
             info.add_metric([str(lora["max_lora"]), lora["waiting"], lora["running"]], time.time())
             yield info
+        if s["drafts"] is not None:
+            yield from _draft_counters(self.model_name, s["drafts"])
         histogram = HistogramMetricFamily(
             "kiln:grammar_compile_seconds", "Time to compile a grammar.", labels=["model_name"]
         )
@@ -79,6 +82,26 @@ class _EngineState(Collector):
         bounds = [str(b) for b in COMPILE_BUCKETS] + ["+Inf"]
         histogram.add_metric([self.model_name], list(zip(bounds, cumulative, strict=True)), g.compile_seconds)
         yield histogram
+
+
+def _draft_counters(model_name: str, drafts: DraftStats) -> Iterator[Metric]:
+    """vLLM's spec_decode counters."""
+    for name, doc, value in (
+        ("num_drafts", "Number of spec decoding drafts.", drafts.num_drafts),
+        ("num_draft_tokens", "Number of draft tokens.", drafts.num_draft_tokens),
+        ("num_accepted_tokens", "Number of accepted tokens.", drafts.num_accepted_tokens),
+    ):
+        counter = CounterMetricFamily(f"kiln:spec_decode_{name}", doc, labels=["model_name"])
+        counter.add_metric([model_name], value)
+        yield counter
+    per_pos = CounterMetricFamily(
+        "kiln:spec_decode_num_accepted_tokens_per_pos",
+        "Accepted tokens per draft position.",
+        labels=["model_name", "position"],
+    )
+    for pos, value in enumerate(drafts.accepted_per_pos):
+        per_pos.add_metric([model_name, str(pos)], value)
+    yield per_pos
 
 
 class Metrics:

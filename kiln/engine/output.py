@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from kiln.engine.request import Logprob, PositionLogprobs, Request
+from kiln.engine.speculative import DraftStats
 from kiln.engine.step_result import StepResult
 
 log = logging.getLogger(__name__)
@@ -157,8 +158,16 @@ class TokenWords:
 class OutputProcessor:
     """Owns the requests' outputs: `finish` (the scheduler's) frees a sequence that met a stop."""
 
-    def __init__(self, tokenizer: Any, eos_token_ids: set[int], finish: Callable[[Request], None]) -> None:
+    def __init__(
+        self,
+        tokenizer: Any,
+        eos_token_ids: set[int],
+        finish: Callable[[Request], None],
+        drafts: DraftStats | None = None,
+    ) -> None:
+        """drafts: speculative decoding's counters, kept up to date here."""
         self.words = TokenWords(tokenizer)
+        self.drafts = drafts
         self.eos_token_ids = eos_token_ids
         self.finish = finish
         self.parents: dict[str, Parent] = {}
@@ -184,28 +193,36 @@ class OutputProcessor:
         tokens = out.token_ids.tolist()
         if out.logprobs is not None:
             ks = [r.params.logprobs or 0 for r in result.sampled]
+            if result.spans is not None:
+                ks = [k for k, w in zip(ks, result.spans.widths, strict=True) for _ in range(w)]
             rows = self.words.logprob_dicts(
                 out.logprob_token_ids.tolist(), out.logprobs.tolist(), out.ranks.tolist(), ks
             )
+        else:
+            rows = []
         advanced: dict[str, list[Request]] = {}
-        for i, (req, token) in enumerate(zip(result.sampled, tokens, strict=True)):
-            req.num_pending -= 1
-            if req.finished:
-                continue
-            answer = req.thinking is None or req.thinking.advance(token)
-            if answer and req.grammar is not None and (req.grammar.failed or not req.grammar.accept(token)):
-                log.error("request %s: its grammar failed; it ends as aborted", req.request_id)
-                req.finish_reason = "abort"
-                req.text.settle(final=True)
-                self.finish(req)
-                advanced.setdefault(req.parent_id, []).append(req)
-                continue
-            req.token_ids.append(token)
-            if req.logprobs is not None:
-                req.logprobs.append(rows[i])
-                req.cumulative_logprob += rows[i][token].logprob
-            self._check_stop(req, token)
-            advanced.setdefault(req.parent_id, []).append(req)
+        spans = result.spans
+        if spans is None:
+            for i, req in enumerate(result.sampled):
+                req.num_pending -= 1
+                if not req.finished:
+                    self._take(req, tokens[i], rows[i] if rows else None)
+                    advanced.setdefault(req.parent_id, []).append(req)
+        else:
+            row = 0
+            for req, width, kept in zip(result.sampled, spans.widths, spans.kept.tolist(), strict=True):
+                req.num_pending -= 1
+                # The KV of the rows after its last kept draft holds drafts it did not keep: computed again.
+                req.num_computed_tokens -= width - kept
+                if self.drafts is not None:
+                    self.drafts.record(width, kept)
+                if not req.finished:
+                    for j in range(row, row + kept):
+                        self._take(req, tokens[j], rows[j] if rows else None)
+                        if req.finished:
+                            break
+                    advanced.setdefault(req.parent_id, []).append(req)
+                row += width
         outputs = []
         for parent_id, reqs in advanced.items():
             parent = self.parents[parent_id]
@@ -237,6 +254,21 @@ class OutputProcessor:
                 )
             )
         return outputs
+
+    def _take(self, req: Request, token: int, logprobs: PositionLogprobs | None) -> None:
+        """One sampled token into its sequence (which may end there)."""
+        answer = req.thinking is None or req.thinking.advance(token)
+        if answer and req.grammar is not None and (req.grammar.failed or not req.grammar.accept(token)):
+            log.error("request %s: its grammar failed; it ends as aborted", req.request_id)
+            req.finish_reason = "abort"
+            req.text.settle(final=True)
+            self.finish(req)
+            return
+        req.token_ids.append(token)
+        if logprobs is not None and req.logprobs is not None:
+            req.logprobs.append(logprobs)
+            req.cumulative_logprob += logprobs[token].logprob
+        self._check_stop(req, token)
 
     def _check_stop(self, req: Request, token: int) -> None:
         p = req.params

@@ -9,6 +9,7 @@ from kiln.engine.bad_words import BadWords, banned_next
 from kiln.engine.detokenizer import SequenceText
 from kiln.engine.grammar import SequenceGrammar
 from kiln.engine.pooler import Pooling
+from kiln.engine.speculative import NgramIndex
 from kiln.engine.thinking import Thinking
 from kiln.lora_request import LoRARequest
 from kiln.sampling_params import SamplingParams
@@ -57,6 +58,7 @@ class Request:
     arrival: int = 0
     cache_salt: str = ""
     lora: LoRARequest | None = None  # the LoRA adapter it runs with
+    ngrams: NgramIndex | None = None  # its n-grams, where it drafts (speculative decoding)
     status: Status = Status.WAITING
     num_computed_tokens: int = 0
     num_pending: int = 0
@@ -126,6 +128,19 @@ class Request:
             self.grammar is not None
             and self.grammar.active
             and (t is None or t.answering or t.opener is not None)
+        )
+
+    @property
+    def drafts_ok(self) -> bool:
+        """Its next tokens may be drafted and checked in one step: its sampling reads nothing that the
+        drafts before a token would change (penalties' counts, a grammar's state, thinking, a bad word's
+        prefix, min_tokens' bans)."""
+        return (
+            not self.params.uses_penalties
+            and self.grammar is None
+            and self.thinking is None
+            and not self.bad_prefixes
+            and self.num_output_tokens >= self.params.min_tokens
         )
 
     @property

@@ -17,7 +17,7 @@ from kiln.engine.grammar import Grammars
 from kiln.engine.lora_slots import LoraSlots
 from kiln.engine.request import Request
 from kiln.engine.scheduler import ScheduledBatch
-from kiln.engine.step_result import PromptLogprobs, StepResult
+from kiln.engine.step_result import PromptLogprobs, Spans, StepResult
 from kiln.engine.token_counts import TokenCounts
 from kiln.models.decoder import DecoderModel
 from kiln.ops.attention import AttnMetadata, StepLayout
@@ -102,8 +102,12 @@ class ModelRunner:
         # of its request's new tokens; the device fills it in from the last step's samples.
         buf = self.buf
         pending: list[tuple[int, int]] = []  # (its position in the flat batch, its row in last_tokens)
+        spec = batch.drafts
         for i, r in enumerate(reqs):
             start, end = starts[i], starts[i] + new[i]
+            if spec and (drafts := spec.get(r)):  # they follow its last token
+                end -= len(drafts)
+                buf.input_ids[cu[i + 1] - len(drafts) : cu[i + 1]] = drafts
             known = min(end, r.num_tokens)
             if known > start:
                 buf.input_ids[cu[i] : cu[i] + known - start] = r.token_ids[start:known]
@@ -129,37 +133,72 @@ class ModelRunner:
 
         if self.pools:
             return StepResult.launched([], None, {}, pooled=self._pooled(reqs, starts, cu, hidden))
-        sampling = [i for i, r in enumerate(reqs) if starts[i] + new[i] == r.num_tokens + r.num_pending]
+        ends = [r.num_tokens + r.num_pending + len(spec.get(r, ())) for r in reqs] if spec else None
+        sampling = [
+            i
+            for i, r in enumerate(reqs)
+            if starts[i] + new[i] == (r.num_tokens + r.num_pending if ends is None else ends[i])
+        ]
         prompt_logprobs = self._prompt_logprobs(reqs, starts, new, cu, hidden)
         if not sampling:
             self.last_rows = {}
             return StepResult.launched([], None, prompt_logprobs)
         sampled = [reqs[i] for i in sampling]
-        allowed = self._allowed(sampled)  # on the CPU, while a GPU runs the forward
-        banned = [r.banned_ids for r in sampled]
+        # One row a sampled request, and with drafts one more a draft: row j scores the token after its
+        # j-th draft.
+        rows = cu_np[1:][sampling] - 1
+        widths = None
+        if spec:
+            widths = [1 + len(spec.get(r, ())) for r in sampled]
+            rows = _draft_rows(rows, widths)
+            row_reqs = [r for r, w in zip(sampled, widths, strict=True) for _ in range(w)]
+        else:
+            row_reqs = sampled
+        allowed = self._allowed(row_reqs)  # on the CPU, while a GPU runs the forward
+        banned = [r.banned_ids for r in row_reqs]
         forced = {
             i: token
-            for i, r in enumerate(sampled)
+            for i, r in enumerate(row_reqs)
             if r.thinking is not None and (token := r.thinking.forced()) is not None
         }
         if allowed is not None:
             assert self.grammars is not None
             self.grammars.keep_ends(*allowed, banned)
-        logits = self.model.compute_logits(hidden[self._tensor(cu_np[1:][sampling] - 1)])
+        logits = self.model.compute_logits(hidden[self._tensor(rows)])
         meta = SamplingMetadata.build(
-            [r.params for r in sampled],
-            [r.generator for r in sampled],
+            [r.params for r in row_reqs],
+            [r.generator for r in row_reqs],
             banned,
             logits.shape[-1],
             self.device,
-            self.token_counts.penalties(sampled),
+            self.token_counts.penalties(row_reqs),
             allowed,
             forced,
         )
         out = self.sampler(logits, meta)
         self.token_counts.update(out.token_ids)
+        spans = None
+        if widths is not None:
+            spans = self._check_drafts(out.token_ids, widths, [spec.get(r, []) for r in sampled])
         self.last_tokens, self.last_rows = out.token_ids, {r: j for j, r in enumerate(sampled)}
-        return StepResult.launched(sampled, out, prompt_logprobs, any(r.reads_output for r in sampled))
+        return StepResult.launched(
+            sampled, out, prompt_logprobs, any(r.reads_output for r in sampled), spans=spans
+        )
+
+    def _check_drafts(self, tokens: torch.Tensor, widths: list[int], drafts: list[list[int]]) -> Spans:
+        """Speculative decoding's check, for drafts that are one token each (prompt lookup): each row's
+        token was drawn from the model's distribution there, so a request keeps its drafts up to the first
+        whose row drew another token, and that row's token. Accepting a draft d with probability p(d), and
+        otherwise drawing from p without d, is rejection sampling against a draft that puts all its mass on
+        d: the kept tokens are distributed exactly as drawn one step at a time."""
+        width = max(widths)
+        first = np.cumsum(widths) - widths
+        take = np.minimum(np.arange(width)[None, :], np.asarray(widths)[:, None] - 1) + first[:, None]
+        expected = np.full((len(widths), width), -1, dtype=np.int64)
+        for i, d in enumerate(drafts):
+            expected[i, : len(d)] = d
+        agree = tokens[self._tensor(take)] == self._tensor(expected)
+        return Spans(widths, agree.cumprod(dim=1).sum(dim=1) + 1)
 
     def _pooled(
         self, reqs: list[Request], starts: list[int], cu: list[int], hidden: torch.Tensor
@@ -241,3 +280,10 @@ class ModelRunner:
             )
             out[r] = PromptLogprobs(start, *logprobs)
         return out
+
+
+def _draft_rows(last: np.ndarray, widths: list[int]) -> np.ndarray:
+    """Each request's last `width` rows, in order, from the row of its last token."""
+    w = np.asarray(widths)
+    first = np.repeat(last - w + 1, w)
+    return first + np.arange(w.sum()) - np.repeat(np.cumsum(w) - w, w)

@@ -11,11 +11,12 @@ import itertools
 import logging
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kiln.config import SchedulerConfig
 from kiln.engine.block_manager import BlockManager
 from kiln.engine.request import Request, Status
+from kiln.engine.speculative import Drafter
 
 log = logging.getLogger(__name__)
 
@@ -23,8 +24,9 @@ log = logging.getLogger(__name__)
 @dataclass(slots=True)
 class ScheduledBatch:
     requests: list[Request]
-    num_new_tokens: list[int]  # per request: tokens to compute this step (a prefill chunk, or 1)
+    num_new_tokens: list[int]  # per request: tokens to compute this step (a prefill chunk, or 1 + drafts)
     num_preempted: int = 0
+    drafts: dict[Request, list[int]] = field(default_factory=dict)  # those that speculate: their drafts
 
     @property
     def num_tokens(self) -> int:
@@ -36,10 +38,17 @@ class ScheduledBatch:
 
 class Scheduler:
     def __init__(
-        self, config: SchedulerConfig, block_manager: BlockManager, chunk: int, max_loras: int | None = None
+        self,
+        config: SchedulerConfig,
+        block_manager: BlockManager,
+        chunk: int,
+        max_loras: int | None = None,
+        drafter: Drafter | None = None,
     ) -> None:
-        """max_loras: the most LoRA adapters the running requests may use at once (the model's slots)."""
+        """max_loras: the most LoRA adapters the running requests may use at once (the model's slots);
+        drafter: where a decoding request's drafts come from (speculative decoding)."""
         self.max_num_seqs = config.max_num_seqs
+        self.drafter = drafter
         self.max_loras = max_loras
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.chunk = chunk
@@ -77,6 +86,7 @@ class Scheduler:
                 i += 1
                 continue
             num_new = min(req.num_tokens + req.num_pending - req.num_computed_tokens, self.chunk, budget)
+            drafts = self._drafts(req, num_new, budget)
             while not self.block_manager.allocate(req, req.num_computed_tokens + num_new):
                 victim = max(self.running, key=_rank)
                 j = self.running.index(victim)
@@ -87,11 +97,15 @@ class Scheduler:
                         k = batch.requests.index(victim)
                         del batch.requests[k]
                         budget += batch.num_new_tokens.pop(k)
+                        batch.drafts.pop(victim, None)
                 self._preempt(victim)
                 batch.num_preempted += 1
                 if victim is req:
                     break
             else:
+                if drafts:
+                    batch.drafts[req] = drafts
+                    num_new += len(drafts)
                 batch.requests.append(req)
                 batch.num_new_tokens.append(num_new)
                 budget -= num_new
@@ -138,6 +152,17 @@ class Scheduler:
             budget -= num_new
         self.waiting.extendleft(reversed(skipped))  # they ranked first
         return batch
+
+    def _drafts(self, req: Request, num_new: int, budget: int) -> list[int]:
+        """A decoding request's drafts, where they fit the step's budget and the free blocks (a draft never
+        preempts a request to make room)."""
+        decoding = req.num_computed_tokens == req.num_tokens - 1 and not req.num_pending
+        if self.drafter is None or not decoding or budget < 2:
+            return []
+        drafts = self.drafter.propose(req, budget - 1)
+        if drafts and not self.block_manager.allocate(req, req.num_tokens + len(drafts)):
+            return []
+        return drafts
 
     def _preempt(self, req: Request) -> None:
         """Preemption by recompute: drop its KV; it resumes from the prefix cache or from scratch."""

@@ -4,6 +4,7 @@ cache's hit rate over that span (off with --disable-log-stats)."""
 from __future__ import annotations
 
 import asyncio
+import copy
 import logging
 import time
 from collections.abc import Callable
@@ -11,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kiln.engine.metrics import Metrics
+from kiln.engine.speculative import DraftStats
 
 log = logging.getLogger(__name__)
 
@@ -27,6 +29,7 @@ class StatsLog:
     queries: int = 0
     hits: int = 0
     busy: bool = False  # the last span had work
+    drafts: DraftStats | None = None  # the spec_decode counters at the last line
 
     def line(self, now: float, stats: dict[str, Any]) -> tuple[str, bool]:
         """The line for the span since the last, and whether it goes out at INFO."""
@@ -48,11 +51,39 @@ class StatsLog:
         self.queries, self.hits = stats["prefix_cache_queries"], stats["prefix_cache_hits"]
         return text, loud
 
+    def draft_line(self, span: float, stats: dict[str, Any]) -> str | None:
+        """vLLM's SpecDecoding line over the span, where the engine speculates and drafted in it."""
+        now: DraftStats | None = stats["drafts"]
+        if now is None:
+            return None
+        last = self.drafts or DraftStats(accepted_per_pos=[0] * len(now.accepted_per_pos))
+        self.drafts = copy.deepcopy(now)
+        drafts = now.num_drafts - last.num_drafts
+        if not drafts:
+            return None
+        accepted = now.num_accepted_tokens - last.num_accepted_tokens
+        drafted = now.num_draft_tokens - last.num_draft_tokens
+        per_pos = zip(now.accepted_per_pos, last.accepted_per_pos, strict=True)
+        rates = ", ".join(f"{(a - b) / drafts:.3f}" for a, b in per_pos)
+        return (
+            f"SpecDecoding metrics: Mean acceptance length: {1 + accepted / drafts:.2f}, "
+            f"Accepted throughput: {accepted / span:.2f} tokens/s, "
+            f"Drafted throughput: {drafted / span:.2f} tokens/s, "
+            f"Accepted: {accepted} tokens, Drafted: {drafted} tokens, "
+            f"Per-position acceptance rate: {rates}, "
+            f"Avg Draft acceptance rate: {100 * accepted / drafted:.1f}%"
+        )
+
 
 async def log_stats(metrics: Metrics, stats: Callable[[], dict[str, Any]], interval: float) -> None:
     """The line every `interval` seconds, until cancelled."""
     lines = StatsLog(metrics, time.monotonic())
     while True:
         await asyncio.sleep(interval)
-        text, loud = lines.line(time.monotonic(), stats())
+        now, state = time.monotonic(), stats()
+        span = max(now - lines.at, 1e-9)
+        text, loud = lines.line(now, state)
         log.log(logging.INFO if loud else logging.DEBUG, "%s", text)
+        drafts = lines.draft_line(span, state)
+        if drafts is not None:
+            log.info("%s", drafts)

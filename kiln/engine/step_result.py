@@ -20,6 +20,15 @@ class PromptLogprobs:
 
 
 @dataclass(slots=True)
+class Spans:
+    """A step that checked drafts: each sampled request's rows (1 + its drafts), and how many of those rows'
+    tokens it keeps."""
+
+    widths: list[int]
+    kept: torch.Tensor  # [requests] int64
+
+
+@dataclass(slots=True)
 class StepResult:
     """wait() before reading the tensors."""
 
@@ -29,6 +38,7 @@ class StepResult:
     read_next: bool = False  # the next step's sampling reads its tokens on the host (Request.reads_output)
     done: torch.cuda.Event | None = None  # recorded after the copies; None where the host is the device
     pooled: dict[Request, torch.Tensor] = field(default_factory=dict)  # the embeddings its prompts ended
+    spans: Spans | None = None  # where it checked drafts (speculative decoding)
 
     @classmethod
     def launched(
@@ -38,6 +48,7 @@ class StepResult:
         prompt_logprobs: dict[Request, PromptLogprobs],
         read_next: bool = False,
         pooled: dict[Request, torch.Tensor] | None = None,
+        spans: Spans | None = None,
     ) -> StepResult:
         """The results of a step just launched; nothing here waits for a GPU to run it."""
         pooled = pooled or {}
@@ -47,7 +58,7 @@ class StepResult:
             or any(v.is_cuda for v in pooled.values())
         )
         if not on_gpu:
-            return cls(sampled, out, prompt_logprobs, read_next, None, pooled)
+            return cls(sampled, out, prompt_logprobs, read_next, None, pooled, spans)
         if out is not None:
             fields = (out.token_ids, out.logprob_token_ids, out.logprobs, out.ranks)
             out = SamplerOutput(*(None if t is None else _host(t) for t in fields))
@@ -56,9 +67,11 @@ class StepResult:
             for r, pl in prompt_logprobs.items()
         }
         pooled = {r: _host(v) for r, v in pooled.items()}
+        if spans is not None:
+            spans = Spans(spans.widths, _host(spans.kept))
         done = torch.cuda.Event()
         done.record()
-        return cls(sampled, out, prompt_logprobs, read_next, done, pooled)
+        return cls(sampled, out, prompt_logprobs, read_next, done, pooled, spans)
 
     def wait(self) -> None:
         if self.done is not None:

@@ -1,0 +1,87 @@
+"""Prompt-lookup drafting (vLLM's ngram speculative method): a decoding request's last n tokens are looked
+up earlier in its prompt and output, and the tokens that followed them there are its drafts, all checked
+by the model in one step."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from kiln.config import SpeculativeConfig
+
+if TYPE_CHECKING:
+    from kiln.engine.request import Request
+
+
+class NgramIndex:
+    """Where each n-gram of one sequence (prompt_lookup_min <= n <= prompt_lookup_max) first occurs, kept up
+    to date as its tokens arrive: a lookup costs the tokens new since the last one, never the sequence's
+    length (vLLM searches the whole sequence each step)."""
+
+    __slots__ = ("first", "min_n", "size")
+
+    def __init__(self, min_n: int, max_n: int) -> None:
+        self.min_n = min_n
+        self.first: list[dict[tuple[int, ...], int]] = [{} for _ in range(min_n, max_n + 1)]
+        self.size = 0  # tokens indexed
+
+    def propose(self, tokens: list[int], k: int) -> list[int]:
+        """Up to k tokens that followed the earliest earlier occurrence of the longest n-gram that ends
+        `tokens` (vLLM's choice); none where no such n-gram occurs before."""
+        total = len(tokens)
+        for end in range(max(self.size + 1, self.min_n), total + 1):
+            for n, first in enumerate(self.first, self.min_n):
+                if n > end:
+                    break
+                first.setdefault(tuple(tokens[end - n : end]), end - n)
+        self.size = total
+        for n in range(self.min_n + len(self.first) - 1, self.min_n - 1, -1):
+            if n > total:
+                continue
+            start = self.first[n - self.min_n][tuple(tokens[total - n :])] + n
+            if start < total:
+                return tokens[start : start + k]
+        return []
+
+
+class Drafter:
+    def __init__(self, config: SpeculativeConfig) -> None:
+        assert config.num_speculative_tokens and config.prompt_lookup_min and config.prompt_lookup_max
+        self.k = config.num_speculative_tokens
+        self.min_n, self.max_n = config.prompt_lookup_min, config.prompt_lookup_max
+
+    def propose(self, req: Request, room: int) -> list[int]:
+        """At most `room` drafts for a request whose next step samples its next token (none where its
+        sampling reads its tokens one at a time, or where no more fit its max_tokens)."""
+        k = min(self.k, room, req.max_tokens - req.num_output_tokens - 1)
+        if k <= 0 or not req.drafts_ok:
+            return []
+        if req.ngrams is None:
+            req.ngrams = NgramIndex(self.min_n, self.max_n)
+        return req.ngrams.propose(req.token_ids, k)
+
+
+@dataclass(slots=True)
+class DraftStats:
+    """vLLM's spec_decode counters: steps' drafting requests, their drafts, the drafts kept, and the drafts
+    kept at each position (of num_speculative_tokens)."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_pos: list[int] = field(default_factory=list)
+
+    @classmethod
+    def of(cls, config: SpeculativeConfig) -> DraftStats:
+        assert config.num_speculative_tokens is not None
+        return cls(accepted_per_pos=[0] * config.num_speculative_tokens)
+
+    def record(self, width: int, kept: int) -> None:
+        """One request's check: width - 1 drafts, of which kept - 1 held."""
+        if width == 1:
+            return
+        self.num_drafts += 1
+        self.num_draft_tokens += width - 1
+        self.num_accepted_tokens += kept - 1
+        for pos in range(kept - 1):
+            self.accepted_per_pos[pos] += 1
