@@ -42,6 +42,11 @@ def varied_workload(llm: LLM) -> None:
     ]
     llm.generate([_prompt(11, 5)] * len(sampled), sampled, use_tqdm=False)
     llm.generate([_prompt(11, 5)], sampled[0], use_tqdm=False)  # sampled rows and no penalty in the step
+    if llm.engine.drafts is not None:  # speculative decoding: drafts of every length, many requests' at once
+        loop = [5, 6, 7, 8] * 6
+        words = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, allowed_token_ids=[5, 6, 7, 8])
+        llm.generate([loop[i:] for i in range(MAX_NUM_SEQS)], words, use_tqdm=False)
+        llm.generate([loop], SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True), use_tqdm=False)
 
 
 @contextlib.contextmanager

@@ -24,3 +24,14 @@ def test_nothing_compiles_after_ready_in_cudagraph_mode(
               deterministic=deterministic, **OPTIONS)  # fmt: skip
     assert llm.engine.backend.attention == ("flashinfer" if head_dim == 128 else "torch")
     assert_nothing_compiles_after_ready(llm)
+
+
+def test_nothing_compiles_after_ready_with_drafts_on_flashinfer(tmp_path: Path) -> None:
+    """Speculative decoding's steps (several tokens a request, FlashInfer's prefill path) after warmup."""
+    build("qwen3", tmp_path, 128)
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2, "prompt_lookup_min": 1}
+    llm = LLM(str(tmp_path), dtype="bfloat16", device="cuda", mode="cudagraph", kv_cache_gib=0.05,
+              speculative_config=spec, **OPTIONS)  # fmt: skip
+    assert_nothing_compiles_after_ready(llm)
+    drafts = llm.engine.drafts
+    assert drafts is not None and drafts.num_accepted_tokens > 0
