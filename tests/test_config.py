@@ -217,6 +217,22 @@ def test_vllm_capacity_and_sizing_flags() -> None:
     assert so.enable_in_reasoning and so.disable_any_whitespace and so.backend == "auto"
 
 
+def test_speculative_config_flag() -> None:
+    from kiln.cli import _load_config, build_parser
+
+    spec = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4}'
+    config = _load_config(build_parser().parse_args(["serve", "--speculative-config", spec]))
+    sc = config.scheduler.speculative_config
+    assert sc is not None
+    assert (sc.method, sc.num_speculative_tokens, sc.prompt_lookup_min, sc.prompt_lookup_max) == (
+        "ngram",
+        3,
+        4,
+        4,
+    )
+    assert not config.scheduler.use_async("cuda")  # drafts are looked up in landed tokens
+
+
 @pytest.mark.parametrize(
     "flags, message",
     [
@@ -238,6 +254,27 @@ def test_vllm_capacity_and_sizing_flags() -> None:
             "key 'model.structured_outputs_config.backend': Invalid enum value 'guidance'",
         ),
         (["--middleware", "kiln.version.VERSION"], "not an import path to a class or an async function"),
+        (
+            ["-sc", '{"method": "eagle3", "model": "yuhuili/EAGLE3", "num_speculative_tokens": 3}'],
+            "key 'scheduler.speculative_config': speculative method 'eagle3' is not built: kiln drafts by "
+            'prompt lookup only ({"method": "ngram"})',
+        ),
+        (
+            ["--speculative-config", '{"method": "ngram"}'],
+            "key 'scheduler.speculative_config': num_speculative_tokens is needed with the ngram method",
+        ),
+        (
+            ["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2, "draft_model": "x"}'],
+            "unknown key 'scheduler.speculative_config.draft_model'",
+        ),
+        (
+            [
+                "--speculative-config",
+                '{"method": "ngram", "num_speculative_tokens": 2}',
+                "--async-scheduling",
+            ],
+            "async_scheduling with speculative_config is not supported",
+        ),
     ],
 )
 def test_vllm_flag_values_refused(flags: list[str], message: str, capsys: pytest.CaptureFixture) -> None:
