@@ -180,6 +180,7 @@ class ModelRunner:
         spans = None
         if widths is not None:
             spans = self._check_drafts(out.token_ids, widths, [spec.get(r, []) for r in sampled])
+        # (Drafts run synchronously: no pending token is read from these rows then.)
         self.last_tokens, self.last_rows = out.token_ids, {r: j for j, r in enumerate(sampled)}
         return StepResult.launched(
             sampled, out, prompt_logprobs, any(r.reads_output for r in sampled), spans=spans
