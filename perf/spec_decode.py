@@ -1,10 +1,11 @@
 """Speculative decoding by prompt lookup on copy-heavy chat prompts (a function of the standard library, to
 be written out again with one change): output tokens per second, greedy, 256 tokens each (ignore_eos), at
-batch 1 (four prompts, one at a time) and batch 16 (all sixteen at once), with drafts and without; and the share of drafts kept. It runs
-kiln's LLM or vLLM's (the same API) on the same prompts, so one script measures both:
+batch 1 (four prompts, one at a time) and batch 16 (all sixteen at once), with drafts and without; and the
+share of drafts kept. It runs kiln's LLM or vLLM's (the same API) on the same prompts, so one script
+measures both:
 
     python perf/spec_decode.py --engine kiln --model MODEL_DIR --dtype bfloat16 --spec '{...}'
-    /path/to/vllm-venv/bin/python perf/spec_decode.py --engine vllm --model MODEL_DIR --dtype bfloat16 --spec '{...}'
+    VLLM_VENV/bin/python perf/spec_decode.py --engine vllm --model MODEL_DIR --dtype bfloat16 --spec '{...}'
 
 Without --spec: no drafts. Prints one JSON line.
 """
