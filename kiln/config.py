@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from typing import Annotated, Any, Literal
 
 import msgspec
@@ -103,6 +104,10 @@ class SpeculativeConfig(_Section):
     num_speculative_tokens: Annotated[int, Meta(ge=1)] | None = None
     prompt_lookup_max: Annotated[int, Meta(ge=1)] | None = None
     prompt_lookup_min: Annotated[int, Meta(ge=1)] | None = None
+    # vLLM's dynamic speculative decoding: [range_start, range_end, k] (inclusive batch-size ranges, the first
+    # from 1): a step of that many running requests drafts at most k tokens each (a batch past a range keeps
+    # the k before it). Where a step's extra tokens cost more than its drafts keep (large batches on a CPU).
+    num_speculative_tokens_per_batch_size: list[tuple[int, int, int]] | None = None
 
     def __post_init__(self) -> None:
         method = self.method or self.model
@@ -122,6 +127,30 @@ class SpeculativeConfig(_Section):
                 f"prompt_lookup_min={self.prompt_lookup_min} must be <= prompt_lookup_max="
                 f"{self.prompt_lookup_max}"
             )
+        schedule = self.num_speculative_tokens_per_batch_size
+        if schedule is not None:
+            self.num_speculative_tokens_per_batch_size = _batch_schedule(schedule)
+
+
+def _batch_schedule(schedule: list[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
+    """num_speculative_tokens_per_batch_size checked as vLLM checks it, sorted by range."""
+    if not schedule:
+        raise ValueError("num_speculative_tokens_per_batch_size must not be empty.")
+    for start, end, k in schedule:
+        if start <= 0 or end <= 0:
+            raise ValueError(f"Batch-size range ({start}, {end}) must be positive.")
+        if start > end:
+            raise ValueError(f"Batch-size range start must be <= end for ({start}, {end}, {k}).")
+        if k < 0:
+            raise ValueError("num_speculative_tokens_per_batch_size values must be >= 0.")
+    schedule = sorted(schedule)
+    if any(start <= before[1] for before, (start, _, _) in itertools.pairwise(schedule)):
+        raise ValueError("Batch-size ranges must be non-overlapping and sorted.")
+    if schedule[0][0] != 1:
+        raise ValueError(
+            "The first batch-size range must start at 1 so every runtime batch size has a defined schedule."
+        )
+    return schedule
 
 
 class SchedulerConfig(_Section):

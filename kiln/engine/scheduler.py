@@ -79,6 +79,7 @@ class Scheduler:
     def schedule(self) -> ScheduledBatch:
         budget = self.max_num_batched_tokens
         batch = ScheduledBatch([], [])
+        max_drafts = 0 if self.drafter is None else self.drafter.k_for(len(self.running))
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
@@ -86,7 +87,7 @@ class Scheduler:
                 i += 1
                 continue
             num_new = min(req.num_tokens + req.num_pending - req.num_computed_tokens, self.chunk, budget)
-            drafts = self._drafts(req, num_new, budget)
+            drafts = self._drafts(req, min(max_drafts, budget - 1)) if max_drafts else None
             while not self.block_manager.allocate(req, req.num_computed_tokens + num_new):
                 victim = max(self.running, key=_rank)
                 j = self.running.index(victim)
@@ -153,13 +154,13 @@ class Scheduler:
         self.waiting.extendleft(reversed(skipped))  # they ranked first
         return batch
 
-    def _drafts(self, req: Request, num_new: int, budget: int) -> list[int]:
-        """A decoding request's drafts, where they fit the step's budget and the free blocks (a draft never
+    def _drafts(self, req: Request, room: int) -> list[int]:
+        """At most `room` drafts for a decoding request, where they fit the free blocks (a draft never
         preempts a request to make room)."""
         decoding = req.num_computed_tokens == req.num_tokens - 1 and not req.num_pending
-        if self.drafter is None or not decoding or budget < 2:
+        if self.drafter is None or not decoding or room < 1:
             return []
-        drafts = self.drafter.propose(req, budget - 1)
+        drafts = self.drafter.propose(req, room)
         if drafts and not self.block_manager.allocate(req, req.num_tokens + len(drafts)):
             return []
         return drafts

@@ -4,6 +4,7 @@ by the model in one step."""
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -49,11 +50,19 @@ class Drafter:
         assert config.num_speculative_tokens and config.prompt_lookup_min and config.prompt_lookup_max
         self.k = config.num_speculative_tokens
         self.min_n, self.max_n = config.prompt_lookup_min, config.prompt_lookup_max
+        schedule = config.num_speculative_tokens_per_batch_size or [(1, 1, self.k)]
+        self.starts = [start for start, _, _ in schedule]
+        self.ks = [min(k, self.k) for _, _, k in schedule]
+
+    def k_for(self, batch_size: int) -> int:
+        """The most drafts a request takes in a step of batch_size running requests: its range's k, or past
+        a range, the k of the range before (vLLM's dynamic schedule)."""
+        return self.ks[bisect.bisect_right(self.starts, max(batch_size, 1)) - 1]
 
     def propose(self, req: Request, room: int) -> list[int]:
         """At most `room` drafts for a request whose next step samples its next token (none where its
         sampling reads its tokens one at a time, or where no more fit its max_tokens)."""
-        k = min(self.k, room, req.max_tokens - req.num_output_tokens - 1)
+        k = min(room, req.max_tokens - req.num_output_tokens - 1)
         if k <= 0 or not req.drafts_ok:
             return []
         if req.ngrams is None:

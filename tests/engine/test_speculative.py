@@ -13,7 +13,7 @@ import pytest
 from kiln import LLM, SamplingParams
 from kiln.config import SpeculativeConfig
 from kiln.engine.output import RequestOutput
-from kiln.engine.speculative import NgramIndex
+from kiln.engine.speculative import Drafter, NgramIndex
 from tests.models.tiny import build_default_vocab
 from tests.sampling_expectation import chi_square_critical
 
@@ -49,8 +49,22 @@ def test_speculative_config_follows_vllm() -> None:
     assert (c.prompt_lookup_min, c.prompt_lookup_max) == (4, 4)
     c = SpeculativeConfig(model="[ngram]", num_speculative_tokens=3)
     assert (c.method, c.prompt_lookup_min, c.prompt_lookup_max) == ("ngram", 5, 5)
+    c = SpeculativeConfig(
+        method="ngram",
+        num_speculative_tokens=5,
+        num_speculative_tokens_per_batch_size=[(9, 64, 1), (1, 1, 7), (2, 4, 3)],
+    )
+    assert c.num_speculative_tokens_per_batch_size == [(1, 1, 7), (2, 4, 3), (9, 64, 1)]
+    drafter = Drafter(c)
+    assert [drafter.k_for(b) for b in (1, 2, 4, 5, 8, 9, 64, 65)] == [5, 3, 3, 3, 3, 1, 1, 1]  # k caps it
     for bad, message in [
         ({"method": "eagle", "num_speculative_tokens": 3}, "speculative method 'eagle' is not built"),
+        ({"method": "ngram", "num_speculative_tokens": 2,
+          "num_speculative_tokens_per_batch_size": [(2, 8, 1)]},
+         "The first batch-size range must start at 1"),
+        ({"method": "ngram", "num_speculative_tokens": 2,
+          "num_speculative_tokens_per_batch_size": [(1, 8, 1), (8, 9, 1)]},
+         "Batch-size ranges must be non-overlapping"),
         ({"method": "ngram"}, "num_speculative_tokens is needed"),
         ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2},
          "prompt_lookup_min=4 must be <= prompt_lookup_max=2"),
@@ -110,10 +124,41 @@ def test_every_way_of_ending_matches_one_token_a_step(engines: dict[bool, LLM]) 
 
 
 @pytest.fixture(scope="module")
-def tiny_engines(tmp_path_factory: pytest.TempPathFactory, default_model_dir: Path) -> dict[bool, LLM]:
+def tiny_model(tmp_path_factory: pytest.TempPathFactory, default_model_dir: Path) -> str:
     """A random model, whose flat distributions have drafts both kept and refused often."""
-    model = str(build_default_vocab(tmp_path_factory.mktemp("tiny-spec"), default_model_dir))
-    return {s: LLM(model, speculative_config=SPEC if s else None, enforce_eager=True) for s in (False, True)}
+    return str(build_default_vocab(tmp_path_factory.mktemp("tiny-spec"), default_model_dir))
+
+
+@pytest.fixture(scope="module")
+def tiny_engines(tiny_model: str) -> dict[bool, LLM]:
+    return {
+        s: LLM(tiny_model, speculative_config=SPEC if s else None, enforce_eager=True) for s in (False, True)
+    }
+
+
+def test_drafts_follow_the_batch_size_schedule(tiny_model: str) -> None:
+    """vLLM's num_speculative_tokens_per_batch_size: one running request drafts up to 3 tokens a step,
+    two or three up to 1, four or more none."""
+    schedule = [[1, 1, 3], [2, 3, 1], [4, 64, 0]]
+    spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
+            "num_speculative_tokens_per_batch_size": schedule}  # fmt: skip
+    llm = LLM(tiny_model, speculative_config=spec, enforce_eager=True)
+    prompt = llm.get_tokenizer().encode("red green blue red green blue red green")
+    params = SamplingParams(
+        temperature=0.0, max_tokens=9, ignore_eos=True, allowed_token_ids=sorted(set(prompt))
+    )
+    engine, most = llm.engine, []
+    assert engine.drafts is not None
+    for batch in (1, 2, 4):
+        for i in range(batch):
+            engine.add_request(f"{batch}-{i}", prompt, params)
+        drafted = []  # each step's drafts, all requests'
+        while engine.has_unfinished():
+            before = engine.drafts.num_draft_tokens
+            engine.step()
+            drafted.append(engine.drafts.num_draft_tokens - before)
+        most.append(max(drafted))
+    assert most == [3, 2 * 1, 0]
 
 
 def test_sampled_tokens_keep_the_models_distribution(tiny_engines: dict[bool, LLM]) -> None:
