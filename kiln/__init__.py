@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from kiln.engine.beam_search import BeamSearchParams
-    from kiln.engine.output import CompletionOutput, RequestOutput
+    from kiln.engine.request_output import CompletionOutput, RequestOutput
     from kiln.llm import LLM
     from kiln.lora_request import LoRARequest
     from kiln.pooling_params import PoolingParams

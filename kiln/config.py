@@ -131,6 +131,13 @@ class SpeculativeConfig(_Section):
         if schedule is not None:
             self.num_speculative_tokens_per_batch_size = _batch_schedule(schedule)
 
+    @property
+    def summary(self) -> str:
+        by_batch = self.num_speculative_tokens_per_batch_size
+        by_batch_text = f" (by batch: {by_batch})" if by_batch else ""
+        lookup = f"{self.prompt_lookup_min}-{self.prompt_lookup_max}"
+        return f"ngram, {self.num_speculative_tokens} tokens{by_batch_text}, lookup {lookup}"
+
 
 def _batch_schedule(schedule: list[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
     """num_speculative_tokens_per_batch_size checked as vLLM checks it, sorted by range."""

@@ -14,8 +14,8 @@ from kiln.engine.beam_search import BeamSearch, BeamSearchOutput, BeamSearchPara
 from kiln.engine.chat_template import render_chat
 from kiln.engine.content_format import resolve_content_format, template_content, text_parts
 from kiln.engine.engine import LLMEngine
-from kiln.engine.output import RequestOutput
 from kiln.engine.pooler import check_pairs, pair_scores
+from kiln.engine.request_output import RequestOutput
 from kiln.lora_request import LoRARequest
 from kiln.pooling_output import (
     ClassificationOutput,

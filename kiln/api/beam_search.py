@@ -12,7 +12,7 @@ from kiln.api.serving import final_outputs, start_all
 from kiln.engine.async_engine import AsyncEngine
 from kiln.engine.beam_search import MAX_BEAM_WIDTH, BeamSearch, BeamSearchParams, advance_all, step_prompts
 from kiln.engine.detokenizer import IncrementalDetokenizer
-from kiln.engine.output import CompletionOutput, RequestOutput
+from kiln.engine.request_output import CompletionOutput, RequestOutput
 from kiln.sampling_params import SamplingParams
 
 # What a beam search has no use for: set, each is a 400 that names it, never silently dropped.

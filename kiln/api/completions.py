@@ -32,8 +32,8 @@ from kiln.api.serving import (
 )
 from kiln.api.streaming import ChoiceDelta, every, stream_interval, stream_response, usage, usage_asked
 from kiln.engine.async_engine import AsyncEngine
-from kiln.engine.output import CompletionOutput, RequestOutput
 from kiln.engine.request import PositionLogprobs
+from kiln.engine.request_output import CompletionOutput, RequestOutput
 
 
 async def create_completion(

@@ -9,7 +9,7 @@ import logging
 from collections.abc import AsyncIterator, Sequence
 
 from kiln.api.inputs import Inputs
-from kiln.engine.output import RequestOutput, merge
+from kiln.engine.request_output import RequestOutput, merge
 from kiln.pooling_params import PoolingParams
 from kiln.sampling_params import SamplingParams
 from kiln.server_config import ServerConfig

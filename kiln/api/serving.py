@@ -17,8 +17,8 @@ from kiln.api.errors import APIError
 from kiln.api.inputs import Inputs
 from kiln.api.protocol import _PooledInputRequest, _SamplingRequest, _ScoringRequest
 from kiln.engine.async_engine import AsyncEngine
-from kiln.engine.output import RequestOutput, merge
 from kiln.engine.request import PositionLogprobs
+from kiln.engine.request_output import RequestOutput, merge
 from kiln.engine.request_stream import RequestStream
 from kiln.pooling_params import PoolingParams
 from kiln.sampling_params import SamplingParams, StructuredOutputsParams

@@ -16,7 +16,7 @@ from starlette.responses import StreamingResponse
 from kiln.api.errors import as_api_error
 from kiln.api.protocol import _SamplingRequest
 from kiln.api.responses import PromptTokensDetails, Usage
-from kiln.engine.output import CompletionOutput, RequestOutput, merge
+from kiln.engine.request_output import CompletionOutput, RequestOutput, merge
 
 _encoder = msgspec.json.Encoder()
 

@@ -19,9 +19,9 @@ from kiln.engine.admission import Admission
 from kiln.engine.bad_words import BadWords
 from kiln.engine.engine import LLMEngine
 from kiln.engine.metrics import Metrics
-from kiln.engine.output import RequestOutput
 from kiln.engine.pooler import Pooler
 from kiln.engine.queue_limits import Overloaded, QueueLimits
+from kiln.engine.request_output import RequestOutput
 from kiln.engine.request_stream import RequestStream
 from kiln.engine.tokenizer import load_tokenizer
 from kiln.lora_request import LoRARequest

@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from kiln.engine.output import RequestOutput
 from kiln.engine.request import PositionLogprobs
+from kiln.engine.request_output import RequestOutput
 from kiln.sampling_params import SamplingParams
 
 MAX_BEAM_WIDTH = 10  # 2 x width logprobs a step, within the engine's default --max-logprobs 20 (vLLM's too)

@@ -22,11 +22,12 @@ from kiln.engine.dummy_steps import DummySteps
 from kiln.engine.grammar import Grammars
 from kiln.engine.lora_slots import LoraSlots
 from kiln.engine.memory import kv_cache_blocks
-from kiln.engine.output import OutputProcessor, Parent, RequestOutput
+from kiln.engine.output import OutputProcessor, Parent
 from kiln.engine.pooler import resolve_pooler
+from kiln.engine.request_output import RequestOutput
 from kiln.engine.runner import ModelRunner
 from kiln.engine.scheduler import ScheduledBatch, Scheduler
-from kiln.engine.speculative import Drafter, DraftStats
+from kiln.engine.speculative import Drafter
 from kiln.engine.step_result import StepResult
 from kiln.engine.thinking import ThinkTags
 from kiln.engine.tokenizer import eos_token_ids, load_tokenizer, sampling_defaults
@@ -145,26 +146,20 @@ class LLMEngine:
         num_blocks = kv_cache_blocks(config, self.runner, self.max_model_len, self.timings)
         clock = time.perf_counter()
         self.runner.allocate_kv(num_blocks)
-        self.block_manager = BlockManager(
-            num_blocks, config.cache.block_size, config.cache.enable_prefix_caching
-        )
-        chunk = config.scheduler.prefill_chunk(device.type, self.backend.tiles(dtype))
-        spec = config.scheduler.speculative_config
-        self.scheduler = Scheduler(
-            config.scheduler,
-            self.block_manager,
-            chunk,
-            lora and lora.max_loras,
-            None if spec is None else Drafter(spec),
-        )
-        self.async_scheduling = config.scheduler.use_async(device.type)
+        cache, sched = config.cache, config.scheduler
+        self.block_manager = BlockManager(num_blocks, cache.block_size, cache.enable_prefix_caching)
+        chunk = sched.prefill_chunk(device.type, self.backend.tiles(dtype))
+        speculative = sched.speculative_config
+        drafter = None if speculative is None else Drafter(speculative)
+        self.scheduler = Scheduler(sched, self.block_manager, chunk, lora and lora.max_loras, drafter)
+        self.async_scheduling = sched.use_async(device.type)
         self.in_flight: StepResult | None = None  # the launched step whose outputs are not yet processed
-        self.drafts = None if spec is None else DraftStats.of(spec)
+        self.drafts = drafter and drafter.stats  # speculative decoding's counters
         self.output = OutputProcessor(self.tokenizer, self.eos_token_ids, self.scheduler.finish, self.drafts)
         self.timings["KV cache"] = time.perf_counter() - clock
         log.info(
             "engine ready: %s (%s), %d KV blocks of %d tokens, max_model_len %d; kernels %s, attention %s, "
-            "sampler %s; async scheduling %s",
+            "sampler %s; async scheduling %s; speculative decoding %s",
             self.model.spec.name,
             self.model.embed.weight.dtype,
             num_blocks,
@@ -174,6 +169,7 @@ class LLMEngine:
             self.backend.attention,
             self.backend.sampler,
             "on" if self.async_scheduling else "off",
+            "off" if speculative is None else speculative.summary,
         )
 
     def warmup(self, progress: bool = False) -> list[BucketReport]:

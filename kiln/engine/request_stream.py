@@ -7,7 +7,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from kiln.engine.output import RequestOutput, merge
+from kiln.engine.request_output import RequestOutput, merge
 from kiln.pooling_params import PoolingParams
 from kiln.sampling_params import SamplingParams
 

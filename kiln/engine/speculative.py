@@ -50,6 +50,7 @@ class Drafter:
         assert config.num_speculative_tokens and config.prompt_lookup_min and config.prompt_lookup_max
         self.k = config.num_speculative_tokens
         self.min_n, self.max_n = config.prompt_lookup_min, config.prompt_lookup_max
+        self.stats = DraftStats(accepted_per_pos=[0] * self.k)  # the output processor counts what is kept
         schedule = config.num_speculative_tokens_per_batch_size or [(1, 1, self.k)]
         self.starts = [start for start, _, _ in schedule]
         self.ks = [min(k, self.k) for _, _, k in schedule]
@@ -79,11 +80,6 @@ class DraftStats:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     accepted_per_pos: list[int] = field(default_factory=list)
-
-    @classmethod
-    def of(cls, config: SpeculativeConfig) -> DraftStats:
-        assert config.num_speculative_tokens is not None
-        return cls(accepted_per_pos=[0] * config.num_speculative_tokens)
 
     def record(self, width: int, kept: int) -> None:
         """One request's check: width - 1 drafts, of which kept - 1 held."""

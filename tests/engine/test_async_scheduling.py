@@ -10,7 +10,7 @@ import pytest
 
 from kiln import LLM, SamplingParams
 from kiln.engine.engine import LLMEngine
-from kiln.engine.output import RequestOutput
+from kiln.engine.request_output import RequestOutput
 from kiln.sampling_params import StructuredOutputsParams
 
 pytestmark = pytest.mark.slow

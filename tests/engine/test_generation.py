@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM
 
 from kiln import LLM, BeamSearchParams, SamplingParams
 from kiln.config import EngineConfig
-from kiln.engine.output import CompletionOutput, RequestOutput
+from kiln.engine.request_output import CompletionOutput, RequestOutput
 
 pytestmark = pytest.mark.slow
 

@@ -12,7 +12,7 @@ import pytest
 
 from kiln import LLM, SamplingParams
 from kiln.config import SpeculativeConfig
-from kiln.engine.output import RequestOutput
+from kiln.engine.request_output import RequestOutput
 from kiln.engine.speculative import Drafter, NgramIndex
 from tests.models.tiny import build_default_vocab
 from tests.sampling_expectation import chi_square_critical

@@ -7,7 +7,7 @@ import pytest
 
 from kiln import LLM, SamplingParams
 from kiln.compile.lowering import compile_counters
-from kiln.engine.output import CompletionOutput
+from kiln.engine.request_output import CompletionOutput
 from tests.models.test_architectures import PROMPTS
 from tests.models.tiny import CONFIGS, build
 
