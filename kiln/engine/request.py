@@ -132,12 +132,11 @@ class Request:
 
     @property
     def drafts_ok(self) -> bool:
-        """Its next tokens may be drafted and checked in one step: its sampling reads nothing that the
-        drafts before a token would change (penalties' counts, a grammar's state, thinking, a bad word's
-        prefix, min_tokens' bans)."""
+        """Its next tokens may be drafted and checked in one step: its sampling reads no state on the host
+        that the drafts before a token would change (a grammar's, its thinking's, a bad word's prefix,
+        min_tokens' bans). The penalties' counts take them on the device."""
         return (
-            not self.params.uses_penalties
-            and self.grammar is None
+            self.grammar is None
             and self.thinking is None
             and not self.bad_prefixes
             and self.num_output_tokens >= self.params.min_tokens

@@ -17,7 +17,8 @@ from kiln.engine.grammar import Grammars
 from kiln.engine.lora_slots import LoraSlots
 from kiln.engine.request import Request
 from kiln.engine.scheduler import ScheduledBatch
-from kiln.engine.step_result import PromptLogprobs, Spans, StepResult
+from kiln.engine.speculative import check_drafts, draft_rows, drafts_ahead
+from kiln.engine.step_result import PromptLogprobs, StepResult
 from kiln.engine.token_counts import TokenCounts
 from kiln.models.decoder import DecoderModel
 from kiln.ops.attention import AttnMetadata, StepLayout
@@ -147,10 +148,10 @@ class ModelRunner:
         # One row a sampled request, and with drafts one more a draft: row j scores the token after its
         # j-th draft.
         rows = cu_np[1:][sampling] - 1
-        widths = None
+        widths, ahead = None, None
         if spec:
             widths = [1 + len(spec.get(r, ())) for r in sampled]
-            rows = _draft_rows(rows, widths)
+            rows, ahead = draft_rows(rows, widths), drafts_ahead(sampled, widths, spec)
             row_reqs = [r for r, w in zip(sampled, widths, strict=True) for _ in range(w)]
         else:
             row_reqs = sampled
@@ -171,35 +172,20 @@ class ModelRunner:
             banned,
             logits.shape[-1],
             self.device,
-            self.token_counts.penalties(row_reqs),
+            self.token_counts.penalties(row_reqs, ahead),
             allowed,
             forced,
         )
         out = self.sampler(logits, meta)
-        self.token_counts.update(out.token_ids)
         spans = None
         if widths is not None:
-            spans = self._check_drafts(out.token_ids, widths, [spec.get(r, []) for r in sampled])
+            spans = check_drafts(out.token_ids, widths, [spec.get(r, []) for r in sampled])
+        self.token_counts.update(out.token_ids, None if spans is None else spans.kept_rows)
         # (Drafts run synchronously: no pending token is read from these rows then.)
         self.last_tokens, self.last_rows = out.token_ids, {r: j for j, r in enumerate(sampled)}
         return StepResult.launched(
             sampled, out, prompt_logprobs, any(r.reads_output for r in sampled), spans=spans
         )
-
-    def _check_drafts(self, tokens: torch.Tensor, widths: list[int], drafts: list[list[int]]) -> Spans:
-        """Speculative decoding's check, for drafts that are one token each (prompt lookup): each row's
-        token was drawn from the model's distribution there, so a request keeps its drafts up to the first
-        whose row drew another token, and that row's token. Accepting a draft d with probability p(d), and
-        otherwise drawing from p without d, is rejection sampling against a draft that puts all its mass on
-        d: the kept tokens are distributed exactly as drawn one step at a time."""
-        width = max(widths)
-        first = np.cumsum(widths) - widths
-        take = np.minimum(np.arange(width)[None, :], np.asarray(widths)[:, None] - 1) + first[:, None]
-        expected = np.full((len(widths), width), -1, dtype=np.int64)
-        for i, d in enumerate(drafts):
-            expected[i, : len(d)] = d
-        agree = tokens[self._tensor(take)] == self._tensor(expected)
-        return Spans(widths, agree.cumprod(dim=1).sum(dim=1) + 1)
 
     def _pooled(
         self, reqs: list[Request], starts: list[int], cu: list[int], hidden: torch.Tensor
@@ -281,10 +267,3 @@ class ModelRunner:
             )
             out[r] = PromptLogprobs(start, *logprobs)
         return out
-
-
-def _draft_rows(last: np.ndarray, widths: list[int]) -> np.ndarray:
-    """Each request's last `width` rows, in order, from the row of its last token."""
-    w = np.asarray(widths)
-    first = np.repeat(last - w + 1, w)
-    return first + np.arange(w.sum()) - np.repeat(np.cumsum(w) - w, w)

@@ -8,7 +8,11 @@ import bisect
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import numpy as np
+import torch
+
 from kiln.config import SpeculativeConfig
+from kiln.ops.transfer import to_device
 
 if TYPE_CHECKING:
     from kiln.engine.request import Request
@@ -90,3 +94,58 @@ class DraftStats:
         self.num_accepted_tokens += kept - 1
         for pos in range(kept - 1):
             self.accepted_per_pos[pos] += 1
+
+
+@dataclass(slots=True)
+class Spans:
+    """A step that checked drafts: each sampled request's rows (1 + its drafts), and how many of those rows'
+    tokens it keeps."""
+
+    widths: list[int]
+    kept: torch.Tensor  # [requests] int64
+    kept_rows: torch.Tensor  # [rows] bool: the rows whose tokens are kept
+
+
+def check_drafts(tokens: torch.Tensor, widths: list[int], drafts: list[list[int]]) -> Spans:
+    """Speculative decoding's check, for drafts that are one token each (prompt lookup): each row's
+    token was drawn from the model's distribution there, so a request keeps its drafts up to the first
+    whose row drew another token, and that row's token. Accepting a draft d with probability p(d), and
+    otherwise drawing from p without d, is rejection sampling against a draft that puts all its mass on
+    d: the kept tokens are distributed exactly as drawn one step at a time."""
+    device, width = tokens.device, max(widths)
+    first = np.cumsum(widths) - widths
+    take = np.minimum(np.arange(width)[None, :], np.asarray(widths)[:, None] - 1) + first[:, None]
+    expected = np.full((len(widths), width), -1, dtype=np.int64)
+    for i, d in enumerate(drafts):
+        expected[i, : len(d)] = d
+    agree = tokens[to_device(take, None, device)] == to_device(expected, None, device)
+    kept = agree.cumprod(dim=1).sum(dim=1) + 1
+    place = to_device(np.arange(len(tokens)) - np.repeat(first, widths), None, device)  # within its request
+    # (output_size: a CUDA repeat_interleave would otherwise read the sizes back, a stream sync.)
+    repeats = to_device(np.asarray(widths, dtype=np.int64), None, device)
+    return Spans(widths, kept, place < kept.repeat_interleave(repeats, output_size=len(tokens)))
+
+
+def drafts_ahead(
+    sampled: list[Request], widths: list[int], drafts: dict[Request, list[int]]
+) -> tuple[list[int], list[int]]:
+    """For the penalties: (row, token) for each draft of a request that uses one, on each of its rows after
+    the draft (a row's token follows its drafts before it)."""
+    rows: list[int] = []
+    tokens: list[int] = []
+    first = 0
+    for r, width in zip(sampled, widths, strict=True):
+        if width > 1 and r.params.uses_penalties:
+            d = drafts[r]
+            for j in range(1, width):
+                rows += [first + j] * j
+                tokens += d[:j]
+        first += width
+    return rows, tokens
+
+
+def draft_rows(last: np.ndarray, widths: list[int]) -> np.ndarray:
+    """Each request's last `width` rows, in order, from the row of its last token."""
+    w = np.asarray(widths)
+    first = np.repeat(last - w + 1, w)
+    return first + np.arange(w.sum()) - np.repeat(np.cumsum(w) - w, w)

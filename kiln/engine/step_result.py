@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kiln.engine.request import Request
+from kiln.engine.speculative import Spans
 from kiln.ops.sampler import SamplerOutput
 
 
@@ -17,15 +18,6 @@ class PromptLogprobs:
     ids: torch.Tensor  # [n, 1 + k]
     logprobs: torch.Tensor  # [n, 1 + k]
     ranks: torch.Tensor  # [n]
-
-
-@dataclass(slots=True)
-class Spans:
-    """A step that checked drafts: each sampled request's rows (1 + its drafts), and how many of those rows'
-    tokens it keeps."""
-
-    widths: list[int]
-    kept: torch.Tensor  # [requests] int64
 
 
 @dataclass(slots=True)
@@ -68,7 +60,7 @@ class StepResult:
         }
         pooled = {r: _host(v) for r, v in pooled.items()}
         if spans is not None:
-            spans = Spans(spans.widths, _host(spans.kept))
+            spans = Spans(spans.widths, _host(spans.kept), spans.kept_rows)
         done = torch.cuda.Event()
         done.record()
         return cls(sampled, out, prompt_logprobs, read_next, done, pooled, spans)

@@ -37,11 +37,14 @@ class TokenCounts:
         """The rows' memory once a penalty has been used: a prompt mask (bool) and counts (int32) each."""
         return (max_seqs + 1) * vocab_size * (torch.bool.itemsize + torch.int32.itemsize)
 
-    def penalties(self, reqs: list[Request]) -> Penalties | None:
-        """The step's penalties for the sampled reqs in order, or None when none uses one. Rows that use no
-        penalty read zeros (and are left out of update), as do requests that finished since the step was
-        scheduled (async scheduling: a stop string found while landing the last step), whose tokens are
-        dropped."""
+    def penalties(
+        self, reqs: list[Request], ahead: tuple[list[int], list[int]] | None = None
+    ) -> Penalties | None:
+        """The step's penalties for the sampled rows' reqs in order, or None when none uses one. Rows that
+        use no penalty read zeros (and are left out of update), as do requests that finished since the step
+        was scheduled (async scheduling: a stop string found while landing the last step), whose tokens are
+        dropped. ahead: (rows, token ids) counted on those rows for this step only (a draft, on the rows
+        after it: speculative decoding)."""
         users = [i for i, r in enumerate(reqs) if r.params.uses_penalties and not r.finished]
         if not users:
             self._step = None
@@ -53,17 +56,23 @@ class TokenCounts:
                 self._admit(reqs[i], reqs)
         index = to_device([self.rows.get(r, 0) for r in reqs], torch.int64, self.device)
         prompt, counts = self.prompt[index], self.counts[index]  # copies: the step may not change the rows
+        if ahead is not None and ahead[0]:
+            cells = to_device(ahead[0], torch.int64, self.device) * self.vocab_size
+            cells += to_device(ahead[1], torch.int64, self.device)
+            counts.view(-1).scatter_add_(0, cells, torch.ones_like(cells, dtype=torch.int32))
         positions = to_device(users, torch.int64, self.device)
         self._step = (positions, index[positions])
         return Penalties.build([r.params for r in reqs], prompt, counts)
 
-    def update(self, token_ids: torch.Tensor) -> None:
-        """Counts the tokens just sampled for the reqs of the last penalties() call."""
+    def update(self, token_ids: torch.Tensor, kept: torch.Tensor | None = None) -> None:
+        """Counts the tokens just sampled for the rows of the last penalties() call; kept: which rows' tokens
+        their sequences keep (speculative decoding), else all."""
         if self._step is None:
             return
         positions, rows = self._step
         cells = rows * self.vocab_size + token_ids[positions]
-        self.counts.view(-1).scatter_add_(0, cells, torch.ones_like(cells, dtype=torch.int32))
+        ones = torch.ones_like(cells, dtype=torch.int32) if kept is None else kept[positions].to(torch.int32)
+        self.counts.view(-1).scatter_add_(0, cells, ones)
 
     def _admit(self, req: Request, step: list[Request]) -> None:
         if len(self.prompt) == 1:
