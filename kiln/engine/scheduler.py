@@ -87,7 +87,8 @@ class Scheduler:
                 i += 1
                 continue
             num_new = min(req.num_tokens + req.num_pending - req.num_computed_tokens, self.chunk, budget)
-            drafts = self._drafts(req, min(max_drafts, budget - 1)) if max_drafts else None
+            room = min(max_drafts, budget - 1)
+            drafts = self._drafts(req, room, len(self.running) - i - 1) if max_drafts else None
             while not self.block_manager.allocate(req, req.num_computed_tokens + num_new):
                 victim = max(self.running, key=_rank)
                 j = self.running.index(victim)
@@ -154,14 +155,16 @@ class Scheduler:
         self.waiting.extendleft(reversed(skipped))  # they ranked first
         return batch
 
-    def _drafts(self, req: Request, room: int) -> list[int]:
-        """At most `room` drafts for a decoding request, where they fit the free blocks (a draft never
-        preempts a request to make room)."""
+    def _drafts(self, req: Request, room: int, after: int) -> list[int]:
+        """At most `room` drafts for a decoding request, where the free blocks hold them and still a block
+        for each of the `after` running requests that follow it in the step: drafting never preempts."""
         decoding = req.num_computed_tokens == req.num_tokens - 1 and not req.num_pending
         if self.drafter is None or not decoding or room < 1:
             return []
         drafts = self.drafter.propose(req, room)
-        if drafts and not self.block_manager.allocate(req, req.num_tokens + len(drafts)):
+        bm = self.block_manager
+        need = -(-(req.num_tokens + len(drafts)) // bm.block_size) - len(req.block_ids)
+        if drafts and (bm.num_free - need < after or not bm.allocate(req, req.num_tokens + len(drafts))):
             return []
         return drafts
 

@@ -7,10 +7,11 @@ import random
 
 import pytest
 
-from kiln.config import SchedulerConfig
+from kiln.config import SchedulerConfig, SpeculativeConfig
 from kiln.engine.block_manager import BlockManager
 from kiln.engine.request import Request, Status
 from kiln.engine.scheduler import ScheduledBatch, Scheduler
+from kiln.engine.speculative import Drafter
 from kiln.sampling_params import SamplingParams
 
 BS = 4
@@ -382,3 +383,28 @@ def test_random_workload_keeps_block_accounting_exact() -> None:
     assert sched.block_manager.prefix_hits > 0
     bm = sched.block_manager
     assert bm.num_free == bm.num_blocks and not any(bm.ref_counts)
+
+
+def test_drafts_take_no_block_a_later_running_request_needs() -> None:
+    """Speculative decoding: a request's drafts take a free block only where the running requests after
+    it in the step could still each take one, so drafting never makes the step preempt one of them."""
+    spec = SpeculativeConfig(method="ngram", num_speculative_tokens=3, prompt_lookup_min=1)
+    config = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64)
+    sched = Scheduler(config, BlockManager(4, BS, enable_prefix_caching=False), 64, drafter=Drafter(spec))
+    a, b = make_request("a", [1, 2, 3, 1, 2, 3, 1]), make_request("b", 4)
+    for req in (a, b):
+        sched.add(req)
+    batch = sched.schedule()  # both prompts: a takes two blocks, b one
+    for req, n in zip(batch.requests, batch.num_new_tokens, strict=True):
+        req.num_computed_tokens += n
+        req.token_ids.append(2)
+    assert sched.block_manager.num_free == 1
+    # a's drafts ([3, 1, 2], after its last "1 2") would need the free block, which b's next token needs.
+    batch = sched.schedule()
+    assert batch.drafts == {} and batch.num_new_tokens == [1, 1] and batch.num_preempted == 0
+    for req in (a, b):
+        req.num_computed_tokens += 1
+        req.token_ids.append(3)
+    sched.finish(b)  # b's blocks are free: a drafts
+    batch = sched.schedule()
+    assert batch.drafts == {a: [1, 2, 3]} and batch.num_new_tokens == [4]
