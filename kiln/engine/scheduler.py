@@ -87,8 +87,9 @@ class Scheduler:
                 i += 1
                 continue
             num_new = min(req.num_tokens + req.num_pending - req.num_computed_tokens, self.chunk, budget)
-            room = min(max_drafts, budget - 1)
-            drafts = self._drafts(req, room, len(self.running) - i - 1) if max_drafts else None
+            drafts = None
+            if max_drafts:
+                drafts = self._drafts(req, min(max_drafts, budget - 1), len(self.running) - i - 1)
             while not self.block_manager.allocate(req, req.num_computed_tokens + num_new):
                 victim = max(self.running, key=_rank)
                 j = self.running.index(victim)
