@@ -72,12 +72,13 @@ class BlockManager:
         self.prefix_hits += len(hit) * self.block_size
         return len(hit) * self.block_size
 
-    def allocate(self, req: Request, num_tokens: int) -> bool:
-        """Makes req hold blocks for its first num_tokens tokens; False (and no change) if it can't."""
+    def allocate(self, req: Request, num_tokens: int, keep_free: int = 0) -> bool:
+        """Makes req hold blocks for its first num_tokens tokens; False (and no change) if it can't while
+        leaving keep_free blocks free."""
         need = -(-num_tokens // self.block_size) - len(req.block_ids)
         if need <= 0:  # most steps: a decode token that fits in its last block
             return True
-        if need > self.num_free:
+        if need > self.num_free - keep_free:
             return False
         fresh = min(need, self.num_blocks - self.next_unused)
         for block_id in range(self.next_unused, self.next_unused + fresh):

@@ -148,13 +148,11 @@ class ModelRunner:
         # One row a sampled request, and with drafts one more a draft: row j scores the token after its
         # j-th draft.
         rows = cu_np[1:][sampling] - 1
-        widths, ahead = None, None
+        drafts, ahead, row_reqs = None, None, sampled
         if spec:
-            widths = [1 + len(spec.get(r, ())) for r in sampled]
-            rows, ahead = draft_rows(rows, widths), drafts_ahead(sampled, widths, spec)
-            row_reqs = [r for r, w in zip(sampled, widths, strict=True) for _ in range(w)]
-        else:
-            row_reqs = sampled
+            drafts = [spec.get(r, []) for r in sampled]
+            rows, ahead = draft_rows(rows, drafts), drafts_ahead(sampled, drafts)
+            row_reqs = [r for r, d in zip(sampled, drafts, strict=True) for _ in range(1 + len(d))]
         allowed = self._allowed(row_reqs)  # on the CPU, while a GPU runs the forward
         banned = [r.banned_ids for r in row_reqs]
         forced = {
@@ -177,9 +175,7 @@ class ModelRunner:
             forced,
         )
         out = self.sampler(logits, meta)
-        spans = None
-        if widths is not None:
-            spans = check_drafts(out.token_ids, widths, [spec.get(r, []) for r in sampled])
+        spans = None if drafts is None else check_drafts(out.token_ids, drafts)
         self.token_counts.update(out.token_ids, None if spans is None else spans.kept_rows)
         # (Drafts run synchronously: no pending token is read from these rows then.)
         self.last_tokens, self.last_rows = out.token_ids, {r: j for j, r in enumerate(sampled)}

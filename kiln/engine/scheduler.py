@@ -163,9 +163,7 @@ class Scheduler:
         if self.drafter is None or not decoding or room < 1:
             return []
         drafts = self.drafter.propose(req, room)
-        bm = self.block_manager
-        need = -(-(req.num_tokens + len(drafts)) // bm.block_size) - len(req.block_ids)
-        if drafts and (bm.num_free - need < after or not bm.allocate(req, req.num_tokens + len(drafts))):
+        if drafts and not self.block_manager.allocate(req, req.num_tokens + len(drafts), keep_free=after):
             return []
         return drafts
 

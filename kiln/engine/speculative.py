@@ -106,12 +106,13 @@ class Spans:
     kept_rows: torch.Tensor  # [rows] bool: the rows whose tokens are kept
 
 
-def check_drafts(tokens: torch.Tensor, widths: list[int], drafts: list[list[int]]) -> Spans:
+def check_drafts(tokens: torch.Tensor, drafts: list[list[int]]) -> Spans:
     """Speculative decoding's check, for drafts that are one token each (prompt lookup): each row's
     token was drawn from the model's distribution there, so a request keeps its drafts up to the first
     whose row drew another token, and that row's token. Accepting a draft d with probability p(d), and
     otherwise drawing from p without d, is rejection sampling against a draft that puts all its mass on
     d: the kept tokens are distributed exactly as drawn one step at a time."""
+    widths = [1 + len(d) for d in drafts]
     device, width = tokens.device, max(widths)
     first = np.cumsum(widths) - widths
     take = np.minimum(np.arange(width)[None, :], np.asarray(widths)[:, None] - 1) + first[:, None]
@@ -126,26 +127,24 @@ def check_drafts(tokens: torch.Tensor, widths: list[int], drafts: list[list[int]
     return Spans(widths, kept, place < kept.repeat_interleave(repeats, output_size=len(tokens)))
 
 
-def drafts_ahead(
-    sampled: list[Request], widths: list[int], drafts: dict[Request, list[int]]
-) -> tuple[list[int], list[int]]:
+def drafts_ahead(sampled: list[Request], drafts: list[list[int]]) -> tuple[list[int], list[int]]:
     """For the penalties: (row, token) for each draft of a request that uses one, on each of its rows after
     the draft (a row's token follows its drafts before it)."""
     rows: list[int] = []
     tokens: list[int] = []
     first = 0
-    for r, width in zip(sampled, widths, strict=True):
-        if width > 1 and r.params.uses_penalties:
-            d = drafts[r]
-            for j in range(1, width):
+    for r, d in zip(sampled, drafts, strict=True):
+        if d and r.params.uses_penalties:
+            for j in range(1, 1 + len(d)):
                 rows += [first + j] * j
                 tokens += d[:j]
-        first += width
+        first += 1 + len(d)
     return rows, tokens
 
 
-def draft_rows(last: np.ndarray, widths: list[int]) -> np.ndarray:
-    """Each request's last `width` rows, in order, from the row of its last token."""
-    w = np.asarray(widths)
+def draft_rows(last: np.ndarray, drafts: list[list[int]]) -> np.ndarray:
+    """Each request's logits rows in the flat batch, in order: its last 1 + len(drafts) tokens', the final
+    one at `last`."""
+    w = np.asarray([1 + len(d) for d in drafts])
     first = np.repeat(last - w + 1, w)
     return first + np.arange(w.sum()) - np.repeat(np.cumsum(w) - w, w)
