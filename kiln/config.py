@@ -2,21 +2,19 @@
 
 from __future__ import annotations
 
-import itertools
 from typing import Annotated, Any, Literal
 
 import msgspec
 from msgspec import Meta
 
+from kiln.config_section import Section
+from kiln.speculative_config import SpeculativeConfig
+
 MaxLoraRank = Literal[1, 8, 16, 32, 64, 128, 256, 320, 512]  # vLLM's choices
 LogprobsMode = Literal["raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits"]
 
 
-class _Section(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    pass
-
-
-class PoolerConfig(_Section):
+class PoolerConfig(Section):
     """vLLM's --pooler-config: how an embedding is made of the final hidden states (null: the model
     folder's sentence-transformers modules, else LAST, normalized)."""
 
@@ -25,7 +23,7 @@ class PoolerConfig(_Section):
     dimensions: Annotated[int, Meta(ge=1)] | None = None  # a Matryoshka model's default embedding size
 
 
-class StructuredOutputsConfig(_Section):
+class StructuredOutputsConfig(Section):
     """vLLM's --structured-outputs-config. kiln's one backend is xgrammar (auto picks it)."""
 
     backend: Literal["auto", "xgrammar"] = "auto"
@@ -35,7 +33,7 @@ class StructuredOutputsConfig(_Section):
     enable_in_reasoning: bool = False  # constraints cover the <think> text too
 
 
-class ModelConfig(_Section):
+class ModelConfig(Section):
     model: str = "default"  # a model folder, or "default" for the embedded SmolLM2-135M-Instruct
     tokenizer: str | None = None  # defaults to the model folder
     chat_template: str | None = None  # a Jinja file, or the template itself, in place of the tokenizer's
@@ -73,7 +71,7 @@ class ModelConfig(_Section):
     logprobs_mode: LogprobsMode = "raw_logprobs"
 
 
-class CacheConfig(_Section):
+class CacheConfig(Section):
     # null: 32 on a CPU (kiln's AMX attention takes 32 keys of a block per value tile multiply; vLLM's CPU
     # backend asks for multiples of 32 too), 16 on a GPU.
     block_size: Annotated[int, Meta(ge=1)] | None = None
@@ -93,74 +91,7 @@ class CacheConfig(_Section):
         return msgspec.structs.replace(self, block_size=32 if device_type == "cpu" else 16)
 
 
-class SpeculativeConfig(_Section):
-    """vLLM's --speculative-config, for its prompt-lookup (n-gram) method: each decoding request drafts up to
-    num_speculative_tokens tokens by finding its last n tokens (prompt_lookup_max down to prompt_lookup_min)
-    earlier in its prompt and output, and one step checks them all. Either lookup bound alone sets both;
-    neither: 5, as vLLM."""
-
-    method: str | None = None
-    model: str | None = None  # vLLM's older spelling of the method ("ngram")
-    num_speculative_tokens: Annotated[int, Meta(ge=1)] | None = None
-    prompt_lookup_max: Annotated[int, Meta(ge=1)] | None = None
-    prompt_lookup_min: Annotated[int, Meta(ge=1)] | None = None
-    # vLLM's dynamic speculative decoding: [range_start, range_end, k] (inclusive batch-size ranges, the first
-    # from 1): a step of that many running requests drafts at most k tokens each (a batch past a range keeps
-    # the k before it). Where a step's extra tokens cost more than its drafts keep (large batches on a CPU).
-    num_speculative_tokens_per_batch_size: list[tuple[int, int, int]] | None = None
-
-    def __post_init__(self) -> None:
-        method = self.method or self.model
-        if method not in ("ngram", "[ngram]"):
-            raise ValueError(
-                f"speculative method {method!r} is not built: kiln drafts by prompt lookup only "
-                '({"method": "ngram"}); draft models, EAGLE, Medusa and MTP are not'
-            )
-        if self.num_speculative_tokens is None:
-            raise ValueError("num_speculative_tokens is needed with the ngram method")
-        self.method, self.model = "ngram", None
-        low, high = self.prompt_lookup_min, self.prompt_lookup_max
-        self.prompt_lookup_min = low or high or 5
-        self.prompt_lookup_max = high or low or 5
-        if self.prompt_lookup_min > self.prompt_lookup_max:
-            raise ValueError(
-                f"prompt_lookup_min={self.prompt_lookup_min} must be <= prompt_lookup_max="
-                f"{self.prompt_lookup_max}"
-            )
-        schedule = self.num_speculative_tokens_per_batch_size
-        if schedule is not None:
-            self.num_speculative_tokens_per_batch_size = _batch_schedule(schedule)
-
-    @property
-    def summary(self) -> str:
-        by_batch = self.num_speculative_tokens_per_batch_size
-        by_batch_text = f" (by batch: {by_batch})" if by_batch else ""
-        lookup = f"{self.prompt_lookup_min}-{self.prompt_lookup_max}"
-        return f"ngram, {self.num_speculative_tokens} tokens{by_batch_text}, lookup {lookup}"
-
-
-def _batch_schedule(schedule: list[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
-    """num_speculative_tokens_per_batch_size checked as vLLM checks it, sorted by range."""
-    if not schedule:
-        raise ValueError("num_speculative_tokens_per_batch_size must not be empty.")
-    for start, end, k in schedule:
-        if start <= 0 or end <= 0:
-            raise ValueError(f"Batch-size range ({start}, {end}) must be positive.")
-        if start > end:
-            raise ValueError(f"Batch-size range start must be <= end for ({start}, {end}, {k}).")
-        if k < 0:
-            raise ValueError("num_speculative_tokens_per_batch_size values must be >= 0.")
-    schedule = sorted(schedule)
-    if any(start <= before[1] for before, (start, _, _) in itertools.pairwise(schedule)):
-        raise ValueError("Batch-size ranges must be non-overlapping and sorted.")
-    if schedule[0][0] != 1:
-        raise ValueError(
-            "The first batch-size range must start at 1 so every runtime batch size has a defined schedule."
-        )
-    return schedule
-
-
-class SchedulerConfig(_Section):
+class SchedulerConfig(Section):
     # null: vLLM's server defaults for the device (`on`). vLLM's offline LLM takes more tokens on a GPU (16384
     # on the large ones, 8192 on others); kiln's LLM takes the server's.
     max_num_seqs: Annotated[int, Meta(ge=1)] | None = None
@@ -241,13 +172,13 @@ class SchedulerConfig(_Section):
         return threshold or self.max_num_batched_tokens
 
 
-class ParallelConfig(_Section):
+class ParallelConfig(Section):
     tensor_parallel_size: Annotated[int, Meta(ge=1)] = 1
     pipeline_parallel_size: Annotated[int, Meta(ge=1)] = 1
     data_parallel_size: Annotated[int, Meta(ge=1)] = 1
 
 
-class LoraConfig(_Section):
+class LoraConfig(Section):
     """vLLM's LoRA options: with enable_lora, every attention and dense MLP projection has max_loras adapter
     slots of rank max_lora_rank (the most adapters one step runs, and the largest rank served)."""
 
@@ -265,7 +196,7 @@ class LoraConfig(_Section):
             raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})")
 
 
-class CompileConfig(_Section):
+class CompileConfig(Section):
     # auto: cudagraph on CUDA (compiled layers, decode steps replayed as CUDA graphs), compiled on a CPU.
     mode: Literal["auto", "eager", "compiled", "cudagraph"] = "auto"
     # Batch sizes decode steps are padded to, each a CUDA graph on a GPU (null: vLLM's, 1, 2, 4, then steps of
@@ -281,7 +212,7 @@ class CompileConfig(_Section):
     cache_file: str | None = None  # a `kiln warmup --export` file to install before warming up
 
 
-class BackendConfig(_Section):
+class BackendConfig(Section):
     # auto: Triton kernels and FlashInfer on CUDA when they import; on a CPU, kiln's C++ kernels (linear
     # layers and paged attention, batch-invariant); the torch references otherwise.
     kernels: Literal["auto", "torch", "triton", "cpu"] = "auto"
@@ -298,7 +229,7 @@ class BackendConfig(_Section):
     cpu_threads_bind: Annotated[str, Meta(pattern=r"^(auto|nobind|\d+(-\d+)?(,\d+(-\d+)?)*)$")] = "auto"
 
 
-class EngineConfig(_Section):
+class EngineConfig(Section):
     model: ModelConfig = msgspec.field(default_factory=ModelConfig)
     cache: CacheConfig = msgspec.field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = msgspec.field(default_factory=SchedulerConfig)
@@ -333,7 +264,7 @@ class EngineConfig(_Section):
         return msgspec.convert(sections, cls)
 
 
-_SECTIONS: dict[str, type[_Section]] = {
+_SECTIONS: dict[str, type[Section]] = {
     "model": ModelConfig,
     "cache": CacheConfig,
     "scheduler": SchedulerConfig,

@@ -7,10 +7,11 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import Meta
 
-from kiln.config import EngineConfig, _Section
+from kiln.config import EngineConfig
+from kiln.config_section import Section
 
 
-class LoraModule(_Section):
+class LoraModule(Section):
     """One adapter served under its own name (vLLM's --lora-modules name=path, or its JSON form)."""
 
     name: str
@@ -18,7 +19,7 @@ class LoraModule(_Section):
     base_model_name: str | None = None
 
 
-class ServerConfig(_Section):
+class ServerConfig(Section):
     host: str = "127.0.0.1"
     port: Annotated[int, Meta(ge=0, le=65535)] = 8000
     api_key: str | list[str] | None = None  # when set, /v1/* needs "Authorization: Bearer <one of them>"

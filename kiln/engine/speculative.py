@@ -11,8 +11,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from kiln.config import SpeculativeConfig
 from kiln.ops.transfer import to_device
+from kiln.speculative_config import SpeculativeConfig
 
 if TYPE_CHECKING:
     from kiln.engine.request import Request

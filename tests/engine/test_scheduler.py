@@ -7,12 +7,13 @@ import random
 
 import pytest
 
-from kiln.config import SchedulerConfig, SpeculativeConfig
+from kiln.config import SchedulerConfig
 from kiln.engine.block_manager import BlockManager
 from kiln.engine.request import Request, Status
 from kiln.engine.scheduler import ScheduledBatch, Scheduler
 from kiln.engine.speculative import Drafter
 from kiln.sampling_params import SamplingParams
+from kiln.speculative_config import SpeculativeConfig
 
 BS = 4
 _fresh = itertools.count(10_000)  # distinct token ids, so unrelated prompts never share a cached block

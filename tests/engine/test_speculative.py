@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 
 from kiln import LLM, SamplingParams
-from kiln.config import SpeculativeConfig
 from kiln.engine.request_output import RequestOutput
 from kiln.engine.speculative import Drafter, NgramIndex
+from kiln.speculative_config import SpeculativeConfig
 from tests.models.tiny import build_default_vocab
 from tests.sampling_expectation import chi_square_critical
 
