@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 
 from kiln import LLM, SamplingParams
-from kiln.engine.request_output import RequestOutput
 from kiln.engine.speculative import Drafter, NgramIndex
 from kiln.speculative_config import SpeculativeConfig
+from tests.engine.test_async_scheduling import whole
 from tests.models.tiny import build_default_vocab
 from tests.sampling_expectation import chi_square_critical
 
@@ -81,13 +81,6 @@ def engines(default_model_dir: Path) -> dict[bool, LLM]:
     }
 
 
-def whole(out: RequestOutput) -> list[tuple]:
-    return [
-        (c.token_ids, c.text, c.finish_reason, c.stop_reason, c.logprobs, c.cumulative_logprob)
-        for c in out.outputs
-    ] + [out.prompt_logprobs]
-
-
 @pytest.mark.slow
 def test_every_way_of_ending_matches_one_token_a_step(engines: dict[bool, LLM]) -> None:
     llm = engines[True]
@@ -105,7 +98,8 @@ def test_every_way_of_ending_matches_one_token_a_step(engines: dict[bool, LLM]) 
         (text, SamplingParams(temperature=0.0, max_tokens=1)),
         (text, SamplingParams(temperature=0.0, max_tokens=9, ignore_eos=True, logprobs=2, prompt_logprobs=1)),
         (text, SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True, logprobs=0)),
-        (copy, SamplingParams(temperature=0.9, n=2, seed=7, max_tokens=30, repetition_penalty=1.3)),  # none
+        # Penalties: each row counts the drafts before it (a seeded draw would differ: rows take uniforms).
+        (copy, SamplingParams(temperature=0.0, max_tokens=30, repetition_penalty=1.3, presence_penalty=0.5)),
         (text[:5], SamplingParams(temperature=0.0, max_tokens=256)),  # ends at max_model_len
         (text, SamplingParams(temperature=0.0, max_tokens=20, bad_words=["lazy dog"])),  # none
         (text, SamplingParams(temperature=0.0, max_tokens=20, bad_words=["fox"])),  # one token: drafts
