@@ -275,6 +275,11 @@ SERVE_FLAGS: dict[str, tuple[str, str, dict]] = {
         "enable_tokenizer_info_endpoint",
         {"action": "store_true"},
     ),
+    "--anthropic-disabled-thinking-effort": (
+        "server",
+        "anthropic_disabled_thinking_effort",
+        {"choices": ["auto", "none", "low", "medium", "high", "xhigh", "max"], "help": "/v1/messages"},
+    ),
     "--exclude-tools-when-tool-choice-none": (
         "server",
         "exclude_tools_when_tool_choice_none",

@@ -95,6 +95,12 @@ class ServerConfig(Section):
     enable_tokenizer_info_endpoint: bool = False  # GET /tokenizer_info: the tokenizer's config, template too
     # tool_choice "none" leaves the tools out of the prompt (else the template shows them, as vLLM's default).
     exclude_tools_when_tool_choice_none: bool = False
+    # The reasoning_effort of a /v1/messages request's thinking {"type": "disabled"} (vLLM's flag): "none"
+    # turns thinking off where the template can; "auto" takes "low" where it cannot (it renders "none" as
+    # a thinking effort, or refuses it).
+    anthropic_disabled_thinking_effort: Literal["auto", "none", "low", "medium", "high", "xhigh", "max"] = (
+        "auto"
+    )
     # How a message's content reaches the chat template (vLLM's --chat-template-content-format): "string",
     # its text parts joined by newlines; "openai", the list of parts; auto: whichever the template reads.
     chat_template_content_format: Literal["auto", "string", "openai"] = "auto"

@@ -202,7 +202,7 @@ def test_vllm_capacity_and_sizing_flags() -> None:
          "--num-gpu-blocks-override", "40", "--shutdown-timeout", "0", "--cudagraph-capture-sizes", "1", "2",
          "8", "--max-cudagraph-capture-size", "8", "--root-path", "/kiln", "--uvicorn-log-level", "warning",
          "--sse-keep-alive-interval", "15", "--no-enable-chunked-prefill", "--logprobs-mode",
-         "processed_logits", "--structured-outputs-config",
+         "processed_logits", "--anthropic-disabled-thinking-effort", "none", "--structured-outputs-config",
          '{"enable_in_reasoning": true, "disable_any_whitespace": true}']
     )  # fmt: skip
     config = _load_config(args)
@@ -212,6 +212,7 @@ def test_vllm_capacity_and_sizing_flags() -> None:
     assert (cache.kv_cache_gib, cache.num_gpu_blocks_override, s.drain_timeout) == (0.5, 40, 0)
     assert (config.compile.decode_sizes, config.compile.max_decode_size) == ([1, 2, 8], 8)
     assert (s.root_path, s.uvicorn_log_level, s.sse_keep_alive_interval) == ("/kiln", "warning", 15)
+    assert s.anthropic_disabled_thinking_effort == "none"
     assert config.model.logprobs_mode == "processed_logits"
     so = config.model.structured_outputs_config
     assert so.enable_in_reasoning and so.disable_any_whitespace and so.backend == "auto"

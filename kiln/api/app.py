@@ -26,6 +26,8 @@ from kiln.api.errors import APIError, as_api_error
 from kiln.api.inputs import Inputs
 from kiln.api.invocations import create_invocation
 from kiln.api.load import ServerLoad
+from kiln.api.messages import count_tokens, create_message
+from kiln.api.messages_protocol import CountTokensRequest, MessagesRequest
 from kiln.api.middleware import middleware
 from kiln.api.pooling import create_pooling
 from kiln.api.protocol import (
@@ -43,6 +45,7 @@ from kiln.api.responses_api import create_response
 from kiln.api.responses_protocol import ResponsesRequest
 from kiln.api.scores import create_rerank, create_score
 from kiln.api.served_models import LoadLoRAAdapterRequest, ServedModels, UnloadLoRAAdapterRequest, vllm_flag
+from kiln.api.template_traits import template_traits
 from kiln.api.tokenize import detokenize, tokenize
 from kiln.api.tokenizer_info import tokenizer_info
 from kiln.engine.async_engine import AsyncEngine
@@ -93,6 +96,11 @@ class App:
             *((p, create_score, ScoreRequest) for p in ("/score", "/v1/score")),
             *((p, create_rerank, RerankRequest) for p in ("/rerank", "/v1/rerank", "/v2/rerank")),
         ]
+        # Anthropic's, with its error shape and its x-api-key header beside Bearer keys.
+        messages = [
+            ("/v1/messages", create_message, MessagesRequest),
+            ("/v1/messages/count_tokens", count_tokens, CountTokensRequest),
+        ]
         info = [("/tokenizer_info", tokenizer_info)] if config.server.enable_tokenizer_info_endpoint else []
         loras = [
             ("/v1/load_lora_adapter", self.models.load, LoadLoRAAdapterRequest),
@@ -101,6 +109,10 @@ class App:
         self.starlette = Starlette(
             routes=[
                 *(Route(p, self._api(p, h, kind, counted=True), methods=post) for p, h, kind in work),
+                *(
+                    Route(p, self._api(p, h, kind, counted=True, anthropic=True), methods=post)
+                    for p, h, kind in messages
+                ),
                 Route("/v1/models", self._api("/v1/models", self.models.list), methods=get),
                 Route("/tokenize", self._api("/tokenize", tokenize, TokenizeRequest), methods=post),
                 Route("/detokenize", self._api("/detokenize", detokenize, DetokenizeRequest), methods=post),
@@ -154,12 +166,14 @@ class App:
             self.exit_code = 1
             self.stopped.set()
             return
+        traits = functools.cache(functools.partial(template_traits, engine.tokenizer, self.config.server))
         self.inputs = Inputs(
             engine.tokenizer,
             engine.vocab_size,
             engine.max_model_len,
             engine.admission.check_prompt,
             self.config.server,
+            traits,
         )
         self.engine = engine
         threads.yield_to_engine(self.config.server.loop_nice)
@@ -227,15 +241,19 @@ class App:
             raise APIError(503, f"the engine has died: {self.engine.dead!r}")
         return self.engine, self.inputs
 
-    def _authorize(self, request: Request) -> None:
+    def _authorize(self, request: Request, anthropic: bool) -> None:
+        """anthropic: the key may come as Anthropic's SDKs send it, in x-api-key."""
         keys = self.config.server.api_keys
         if not keys:
             return
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if anthropic and "x-api-key" in request.headers:
+            scheme, token = "bearer", request.headers["x-api-key"]
         # Every key compared, so the time taken tells nothing of which one nearly matched.
         matches = [secrets.compare_digest(token.encode(), key.encode()) for key in keys]
         if scheme.lower() != "bearer" or not any(matches):
-            raise APIError(401, "missing or invalid API key: send 'Authorization: Bearer <key>'")
+            send = "'Authorization: Bearer <key>'" + (" or 'x-api-key: <key>'" if anthropic else "")
+            raise APIError(401, f"missing or invalid API key: send {send}")
 
     async def _body(self, request: Request) -> bytes:
         limit = self.config.server.max_request_bytes
@@ -255,16 +273,22 @@ class App:
         self.models.check(getattr(body, "model", None), self.engine)
 
     def _api(
-        self, path: str, handler: Handler, kind: type | None = None, counted: bool = False
+        self,
+        path: str,
+        handler: Handler,
+        kind: type | None = None,
+        counted: bool = False,
+        anthropic: bool = False,
     ) -> Callable[[Request], Awaitable[Response]]:
+        """anthropic: Anthropic's errors and keys (/v1/messages)."""
         guarded = path.startswith("/v1/") or path == "/invocations"
         if counted and self.config.server.enable_server_load_tracking:
-            return self.load.counted(self._api(path, handler, kind))
+            return self.load.counted(self._api(path, handler, kind, anthropic=anthropic))
 
         async def endpoint(request: Request) -> Response:
             try:
                 if guarded:
-                    self._authorize(request)
+                    self._authorize(request, anthropic)
                 engine, shared = self._ready()
                 data = await self._body(request) if kind is not None else b""
                 inputs = shared.for_body(len(data))
@@ -275,7 +299,7 @@ class App:
                 error = as_api_error(e)
                 if self.config.server.log_error_stack:
                     log.error("%s %s: %d %s", request.method, path, error.status, error.message, exc_info=e)
-                return error.response()
+                return error.response(anthropic)
             if isinstance(result, Response):
                 return result
             if result is None:  # the client went away; nobody reads this

@@ -48,6 +48,7 @@ from kiln.api.tool_parser import Parser, parser_for
 from kiln.engine.async_engine import AsyncEngine
 from kiln.engine.request import PositionLogprobs
 from kiln.sampling_params import truncate_prompt
+from kiln.server_config import ServerConfig
 
 
 async def create_chat_completion(
@@ -85,10 +86,7 @@ async def chat(
     if auto == "mistral":  # its calls follow a special token, which the text must keep (as vLLM does)
         body = msgspec.structs.replace(body, skip_special_tokens=False)
     so = await constraint(engine, inputs, body, call_schema)
-    # As vLLM, the template shows the tools even under tool_choice "none", unless the server says not to.
-    hidden = body.tool_choice == "none" and server.exclude_tools_when_tool_choice_none
-    tools = None if hidden else body.tools
-    ids = await inputs.chat_ids(body, tools)
+    ids = await inputs.chat_ids(body, shown_tools(body, server))
     # As vLLM: the reply's role is the server's (--response-role) where a generation prompt opens a new
     # message, else the last message's; echo starts the reply with that message where it has the role.
     last = body.messages[-1]
@@ -158,6 +156,12 @@ async def chat(
         prompt_token_ids=ids_if(body.return_token_ids, out.prompt_token_ids),
         prompt_text=prompt_text,
     )
+
+
+def shown_tools(body: ChatCompletionRequest, server: ServerConfig) -> list[Tool] | None:
+    """As vLLM, the template shows the tools even under tool_choice "none", unless the server says not to."""
+    hidden = body.tool_choice == "none" and server.exclude_tools_when_tool_choice_none
+    return None if hidden else body.tools
 
 
 def _text(content: str | list[TextPart] | None) -> str:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import re
 from http import HTTPStatus
+from typing import Any
 
 import msgspec
 from starlette.responses import Response
@@ -25,6 +26,17 @@ ERROR_TYPES = {
     413: "RequestTooLargeError",
     500: "InternalServerError",
     503: "ServiceUnavailableError",
+}
+
+# Anthropic's error types (/v1/messages) by status; other statuses: invalid_request_error below 500, else
+# api_error.
+ANTHROPIC_TYPES = {
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    503: "overloaded_error",
 }
 
 _encoder = msgspec.json.Encoder()
@@ -54,9 +66,19 @@ class APIError(Exception):
         )
         return ErrorResponse(ErrorInfo(self.message, kind, self.param, self.status))
 
-    def response(self) -> Response:
+    def anthropic_body(self) -> dict[str, Any]:
+        """Anthropic's shape, `{"type": "error", "error": {"type", "message"}}`: the message names the
+        field, as the shape has no place for it."""
+        other = "api_error" if self.status >= 500 else "invalid_request_error"
+        kind = ANTHROPIC_TYPES.get(self.status, other)
+        named = self.param is None or self.param in self.message
+        message = self.message if named else f"{self.param}: {self.message}"
+        return {"type": "error", "error": {"type": kind, "message": message}}
+
+    def response(self, anthropic: bool = False) -> Response:
         headers = {"WWW-Authenticate": "Bearer"} if self.status == 401 else None
-        return Response(_encoder.encode(self.body()), self.status, headers, "application/json")
+        body = self.anthropic_body() if anthropic else self.body()
+        return Response(_encoder.encode(body), self.status, headers, "application/json")
 
 
 def bad_request(error: ValueError) -> APIError:

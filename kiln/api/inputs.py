@@ -12,7 +12,7 @@ import inspect
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Literal, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 import msgspec
 
@@ -24,6 +24,9 @@ from kiln.engine.chat_template import render_chat
 from kiln.engine.content_format import resolve_content_format, template_content
 from kiln.sampling_params import truncate_prompt
 from kiln.server_config import ServerConfig
+
+if TYPE_CHECKING:
+    from kiln.api.template_traits import TemplateTraits
 
 T = TypeVar("T")
 
@@ -48,8 +51,11 @@ class Inputs:
         max_model_len: int,
         check_prompt: Callable[[list[int]], None],
         limits: ServerConfig,
+        template_traits: Callable[[], TemplateTraits],
     ) -> None:
+        """template_traits: what /v1/messages needs to know of the chat template, found at its first call."""
         self.tokenizer = tokenizer
+        self.template_traits = template_traits
         self.vocab_size = vocab_size
         self.check_prompt = check_prompt  # the engine's: token ids in range, room left to generate
         self.max_model_len = max_model_len

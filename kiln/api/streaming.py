@@ -133,17 +133,24 @@ def usage(outputs: list[RequestOutput], cached: bool) -> Usage:
 KEEP_ALIVE = b": keep-alive\n\n"
 
 
-def sse(events: AsyncIterator[msgspec.Struct], keep_alive: int = 0) -> StreamingResponse:
+def sse(events: AsyncIterator[msgspec.Struct], keep_alive: int = 0, named: bool = False) -> StreamingResponse:
     """Server-sent events ending in `data: [DONE]`; an error mid-stream becomes an error event first.
-    keep_alive: seconds without an event after which a comment goes (0: none)."""
+    keep_alive: seconds without an event after which a comment goes (0: none). named: Anthropic's form,
+    each event's type (its Struct's tag) on an `event:` line too, an error as its error event, no [DONE]."""
 
     async def body() -> AsyncIterator[bytes]:
         try:
             async for event in events:
-                yield b"data: " + _encoder.encode(event) + b"\n\n"
+                name = b"event: %s\n" % type(event).__struct_config__.tag.encode() if named else b""
+                yield name + b"data: " + _encoder.encode(event) + b"\n\n"
         except Exception as e:
-            yield b"data: " + _encoder.encode(as_api_error(e).body()) + b"\n\n"
-        yield b"data: [DONE]\n\n"
+            error = as_api_error(e)
+            if named:
+                yield b"event: error\ndata: " + _encoder.encode(error.anthropic_body()) + b"\n\n"
+                return
+            yield b"data: " + _encoder.encode(error.body()) + b"\n\n"
+        if not named:
+            yield b"data: [DONE]\n\n"
 
     chunks = body() if keep_alive == 0 else _kept_alive(body(), keep_alive)
     return StreamingResponse(chunks, media_type="text/event-stream")

@@ -11,6 +11,7 @@ import httpx
 import msgspec
 from hypothesis import strategies as st
 
+from kiln.api.messages_protocol import CountTokensRequest, MessagesRequest
 from kiln.api.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -27,7 +28,11 @@ ENDPOINTS: dict[str, type] = {
     "/v1/chat/completions": ChatCompletionRequest,
     "/tokenize": TokenizeRequest,
     "/detokenize": DetokenizeRequest,
+    "/v1/messages": MessagesRequest,
+    "/v1/messages/count_tokens": CountTokensRequest,
 }
+ANTHROPIC = ("/v1/messages",)  # the paths with Anthropic's errors and events
+SERVED = "tiny"  # tiny_server's name: a body's required `model` is often it, so that it gets past the 404
 POOLING_ENDPOINTS: dict[str, type] = {  # a pooling model's
     "/v1/embeddings": EmbeddingRequest,
     "/score": ScoreRequest,
@@ -158,13 +163,24 @@ def mutated(draw: st.DrawFn, body: dict[str, Any]) -> bytes:
 def requests(draw: st.DrawFn, endpoints: dict[str, type] = ENDPOINTS) -> tuple[str, bytes]:
     """(path, body): an endpoint and a hostile body for it."""
     path = draw(st.sampled_from(list(endpoints)))
-    return path, draw(mutated(draw(schema_bodies(endpoints[path]))))
+    body = draw(schema_bodies(endpoints[path]))
+    if "model" in _required(endpoints[path]) and draw(st.booleans()):
+        body["model"] = SERVED
+    return path, draw(mutated(body))
 
 
-def check(response: httpx.Response, stream: bool) -> None:
-    """No 500; an error has OpenAI's shape; a body parses; a stream ends with [DONE] and holds no 500."""
+def _required(kind: type) -> list[str]:
+    return msgspec.json.schema(kind)["$defs"][kind.__name__].get("required", [])
+
+
+def check(response: httpx.Response, stream: bool, path: str) -> None:
+    """No 500; an error has OpenAI's shape (or Anthropic's, on its paths); a body parses; a stream ends
+    with [DONE] (Anthropic's: message_stop, or its error event) and holds no 500."""
     status = response.status_code
     assert status < 500, response.text[:2000]
+    if path.startswith(ANTHROPIC):
+        _check_anthropic(response, stream)
+        return
     if status >= 400:
         error = response.json()["error"]
         assert set(error) == {"message", "type", "param", "code"} and error["code"] == status, error
@@ -177,3 +193,17 @@ def check(response: httpx.Response, stream: bool) -> None:
     for line in lines[:-1]:
         event = json.loads(line.removeprefix("data: "))
         assert "error" not in event or event["error"]["code"] < 500, event
+
+
+def _check_anthropic(response: httpx.Response, stream: bool) -> None:
+    if response.status_code >= 400 or not stream:
+        body = response.json()
+        if response.status_code >= 400:
+            assert body["type"] == "error" and set(body["error"]) == {"type", "message"}, body
+        return
+    frames = [frame.split("\n") for frame in response.text.split("\n\n") if frame]
+    for name, data in frames:
+        event = json.loads(data.removeprefix("data: "))
+        assert name == f"event: {event['type']}", (name, data)
+        assert event["type"] != "error" or event["error"]["type"] != "api_error", event  # a 500 mid-stream
+    assert frames[-1][0] in ("event: message_stop", "event: error"), frames[-3:]

@@ -245,7 +245,7 @@ def test_hostile_pooling_bodies_get_no_500(embed_server: Server) -> None:
         path, body = path_body
         response = client.post(path, content=body, headers={**AUTH, "Content-Type": "application/json"})
         statuses[response.status_code] += 1
-        check(response, stream=False)
+        check(response, False, path)
 
     with httpx.Client(base_url=embed_server.url, timeout=60) as client:
         one()

@@ -38,7 +38,7 @@ def test_fuzz(tiny_server: Server, request: pytest.FixtureRequest) -> None:
         stream = b'"stream":true' in body
         response = client.post(path, content=body, headers={**AUTH, "Content-Type": "application/json"})
         statuses[(path, response.status_code)] += 1
-        check(response, stream)
+        check(response, stream, path)
 
     with (
         HealthProbe(tiny_server.url) as probe,
