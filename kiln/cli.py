@@ -117,6 +117,22 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return run(config, sock, args.started, imports)
 
 
+def cmd_run_batch(args: argparse.Namespace) -> int:
+    parser: argparse.ArgumentParser = args.parser
+    config = _load_config(args)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    import asyncio
+
+    from kiln.api.batch import BatchError, run_batch
+    from kiln.models.loader import resolve_model
+
+    try:
+        resolve_model(config.model.model)
+        return asyncio.run(run_batch(config, args.input_file, args.output_file, args.enable_metrics))
+    except (OSError, ValueError, BatchError) as e:
+        parser.exit(1, f"{parser.prog}: error: {e}\n")
+
+
 def cmd_warmup(args: argparse.Namespace) -> int:
     parser: argparse.ArgumentParser = args.parser
     config = _load_config(args)
@@ -187,6 +203,18 @@ def build_parser() -> argparse.ArgumentParser:
         "--trust-remote-code", action="store_true", help="vLLM's; kiln runs no code from a model folder"
     )
     serve.set_defaults(run=cmd_serve, parser=serve)
+
+    batch = commands.add_parser(
+        "run-batch", help="run an OpenAI batch file (JSONL) through the API and write the results (vLLM's)"
+    )
+    batch.add_argument("-i", "--input-file", required=True, metavar="INPUT", help="a path or http(s) URL")
+    batch.add_argument("-o", "--output-file", required=True, metavar="OUTPUT", help="a path or http(s) URL")
+    batch.add_argument("--config", type=Path, help="YAML config, as for kiln serve")
+    batch.add_argument("model_tag", nargs="?", default=None, help="model folder (wins over --model)")
+    _add_serve_flags(batch)
+    batch.add_argument("--enforce-eager", action="store_true", help="run the model eagerly (no compile)")
+    batch.add_argument("--enable-metrics", action="store_true", help="Prometheus metrics on --host, --port")
+    batch.set_defaults(run=cmd_run_batch, parser=batch)
 
     warmup = commands.add_parser(
         "warmup", help="build every compiled bucket into the compile cache ahead of serving"

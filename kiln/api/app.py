@@ -18,32 +18,13 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from kiln.api.chat import create_chat_completion
-from kiln.api.classify import create_classification
-from kiln.api.completions import create_completion
-from kiln.api.embeddings import create_embedding
 from kiln.api.errors import APIError, as_api_error
 from kiln.api.inputs import Inputs
 from kiln.api.invocations import create_invocation
 from kiln.api.load import ServerLoad
-from kiln.api.messages import count_tokens, create_message
-from kiln.api.messages_protocol import CountTokensRequest, MessagesRequest
 from kiln.api.middleware import middleware
-from kiln.api.pooling import create_pooling
-from kiln.api.protocol import (
-    ChatCompletionRequest,
-    ClassificationRequest,
-    CompletionRequest,
-    DetokenizeRequest,
-    EmbeddingRequest,
-    PoolingRequest,
-    RerankRequest,
-    ScoreRequest,
-    TokenizeRequest,
-)
-from kiln.api.responses_api import create_response
-from kiln.api.responses_protocol import ResponsesRequest
-from kiln.api.scores import create_rerank, create_score
+from kiln.api.protocol import DetokenizeRequest, TokenizeRequest
+from kiln.api.routes import ANTHROPIC, WORK, Handler
 from kiln.api.served_models import LoadLoRAAdapterRequest, ServedModels, UnloadLoRAAdapterRequest, vllm_flag
 from kiln.api.template_traits import template_traits
 from kiln.api.tokenize import detokenize, tokenize
@@ -60,14 +41,16 @@ DEFAULT_MODEL_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"
 
 _encoder = msgspec.json.Encoder()
 
-Handler = Callable[[AsyncEngine, Inputs, Request, Any], Awaitable[Any]]
-
 
 class App:
-    def __init__(self, config: ServeConfig, started: float | None = None, imports: float = 0.0) -> None:
+    def __init__(
+        self, config: ServeConfig, started: float | None = None, imports: float = 0.0, listening: bool = True
+    ) -> None:
         """started: the process's clock at launch (perf_counter); imports: seconds the launch spent importing
-        the serving stack, the ready line's first part."""
+        the serving stack, the ready line's first part; listening: served on server.host and port (not, for
+        run-batch, in-process)."""
         self.config = config
+        self.listening = listening
         model = config.model.model
         served = config.server.served_model_name
         # As vLLM: a request may name the model by any of these; responses carry the first.
@@ -85,22 +68,6 @@ class App:
         self.load = ServerLoad()
         post, get = ["POST"], ["GET"]
         invoke = functools.partial(create_invocation, check_model=self._check_model)
-        # The requests GET /load counts, as vLLM's load_aware_call: those that run the model.
-        work = [
-            ("/v1/completions", create_completion, CompletionRequest),
-            ("/v1/chat/completions", create_chat_completion, ChatCompletionRequest),
-            ("/v1/responses", create_response, ResponsesRequest),
-            ("/v1/embeddings", create_embedding, EmbeddingRequest),
-            ("/classify", create_classification, ClassificationRequest),
-            ("/pooling", create_pooling, PoolingRequest),
-            *((p, create_score, ScoreRequest) for p in ("/score", "/v1/score")),
-            *((p, create_rerank, RerankRequest) for p in ("/rerank", "/v1/rerank", "/v2/rerank")),
-        ]
-        # Anthropic's, with its error shape and its x-api-key header beside Bearer keys.
-        messages = [
-            ("/v1/messages", create_message, MessagesRequest),
-            ("/v1/messages/count_tokens", count_tokens, CountTokensRequest),
-        ]
         info = [("/tokenizer_info", tokenizer_info)] if config.server.enable_tokenizer_info_endpoint else []
         loras = [
             ("/v1/load_lora_adapter", self.models.load, LoadLoRAAdapterRequest),
@@ -108,10 +75,10 @@ class App:
         ]
         self.starlette = Starlette(
             routes=[
-                *(Route(p, self._api(p, h, kind, counted=True), methods=post) for p, h, kind in work),
+                *(Route(p, self._api(p, h, kind, counted=True), methods=post) for p, h, kind in WORK),
                 *(
                     Route(p, self._api(p, h, kind, counted=True, anthropic=True), methods=post)
-                    for p, h, kind in messages
+                    for p, h, kind in ANTHROPIC
                 ),
                 Route("/v1/models", self._api("/v1/models", self.models.list), methods=get),
                 Route("/tokenize", self._api("/tokenize", tokenize, TokenizeRequest), methods=post),
@@ -190,9 +157,12 @@ class App:
         timings = {"imports": self.imports, **self.engine.timings}
         parts = ", ".join(f"{k.replace('_', ' ')} {v:.2f} s" for k, v in timings.items())
         parts += f", other {total - sum(timings.values()):.2f} s (the server's own start)"
+        where = f"at {url}" if self.listening else "in-process"
         log.info(
-            "kiln is ready at %s, serving %s, %.1f s after start (%s)", url, self.model_name, total, parts
+            "kiln is ready %s, serving %s, %.1f s after start (%s)", where, self.model_name, total, parts
         )
+        if not self.listening:
+            return
         auth = f" -H 'Authorization: Bearer {s.api_keys[0]}'" if s.api_keys else ""
         body = _encoder.encode(
             {"model": self.model_name, "messages": [{"role": "user", "content": "Hello!"}]}

@@ -27,6 +27,7 @@ from kiln.api.messages_protocol import (
     RedactedThinkingBlock,
     TextBlock,
     ThinkingBlock,
+    ToolDefinition,
     ToolResultBlock,
     ToolUseBlock,
 )
@@ -128,7 +129,7 @@ def to_chat(body: MessagesRequest | CountTokensRequest, traits: TemplateTraits) 
     return msgspec.convert({k: v for k, v in fields.items() if v is not None}, ChatCompletionRequest)
 
 
-def _function(tool: Any) -> dict[str, Any]:
+def _function(tool: ToolDefinition) -> dict[str, Any]:
     schema = tool.input_schema if "type" in tool.input_schema else {"type": "object", **tool.input_schema}
     fields = {"name": tool.name, "description": tool.description, "parameters": schema, "strict": tool.strict}
     return {k: v for k, v in fields.items() if v is not None}

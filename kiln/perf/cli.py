@@ -21,8 +21,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         if args.offline:
             from kiln.perf.offline import run_offline
 
-            if spec.extra_body:
-                raise ConfigError(f"{args.spec}: extra_body is sent over HTTP only; drop --offline")
+            if spec.extra_body or spec.mode != "completions":
+                raise ConfigError(f"{args.spec}: extra_body and mode {spec.mode} are HTTP's; drop --offline")
 
             overrides = {"model": {"model": args.model}} if args.model else {}
             config = load_serve_config(args.config, overrides)

@@ -1,4 +1,5 @@
-"""The load generator: streams /v1/completions requests at a fixed concurrency or a Poisson rate."""
+"""The load generator: streams requests (to /v1/completions, /v1/chat/completions or /v1/messages, as the
+spec's mode says) at a fixed concurrency or a Poisson rate."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import re
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import Any
 
 import httpx
 from tqdm import tqdm
@@ -41,45 +43,99 @@ async def sse_lines(response: httpx.Response) -> AsyncIterator[str]:
         yield rest.decode()
 
 
-async def send(client: httpx.AsyncClient, ep: Endpoint, prompt: Prompt, spec: Spec) -> RequestRecord:
-    body = {
+def request(ep: Endpoint, prompt: Prompt, spec: Spec) -> tuple[str, dict[str, Any]]:
+    """The path and body of one streamed request in the spec's mode."""
+    body: dict[str, Any] = {
         "model": ep.model,
-        "prompt": prompt.prompt,
         "max_tokens": prompt.max_tokens,
         "temperature": spec.temperature,
-        "ignore_eos": spec.ignore_eos,
         "stream": True,
-        "stream_options": {"include_usage": True},
-        **spec.extra_body,
     }
+    if spec.mode == "messages":
+        return "/v1/messages", {
+            **body,
+            "messages": [{"role": "user", "content": prompt.prompt}],
+            **spec.extra_body,
+        }
+    body |= {"ignore_eos": spec.ignore_eos, "stream_options": {"include_usage": True}}
+    if spec.mode == "chat":
+        return "/v1/chat/completions", {
+            **body,
+            "messages": [{"role": "user", "content": prompt.prompt}],
+            **spec.extra_body,
+        }
+    return "/v1/completions", {**body, "prompt": prompt.prompt, **spec.extra_body}
+
+
+@dataclass(slots=True)
+class Event:
+    """What one streamed event says: an error, new output, or the usage (prompt, output tokens)."""
+
+    error: str | None = None
+    output: bool = False
+    usage: tuple[int, int] | None = None
+    end: bool = False
+
+
+def read_event(data: str, mode: str) -> Event:
+    """One `data:` line of a stream in this mode."""
+    if data == "[DONE]":
+        return Event(end=True)
+    event = json.loads(data)
+    if "error" in event:
+        error = event["error"]
+        return Event(
+            error=f"error event: {error.get('message', error) if isinstance(error, dict) else error}"
+        )
+    if mode == "messages":
+        kind = event["type"]
+        usage = event["usage"] if kind == "message_delta" else None
+        # input_tokens leaves out cache reads, which these servers report only with prompt-token details.
+        counts = (
+            (usage["input_tokens"] + usage.get("cache_read_input_tokens", 0), usage["output_tokens"])
+            if usage
+            else None
+        )
+        return Event(output=kind == "content_block_delta", usage=counts, end=kind == "message_stop")
+    usage = event.get("usage")
+    counts = (usage["prompt_tokens"], usage["completion_tokens"]) if usage else None
+    if not event.get("choices"):
+        return Event(usage=counts)
+    choice = event["choices"][0]
+    text = choice.get("text") if mode == "completions" else (choice.get("delta") or {}).get("content")
+    # A chat stream opens with a role chunk and may close with an empty one: no output there.
+    return Event(output=mode == "completions" or bool(text))
+
+
+async def send(client: httpx.AsyncClient, ep: Endpoint, prompt: Prompt, spec: Spec) -> RequestRecord:
+    path, body = request(ep, prompt, spec)
     record = RequestRecord(prompt_tokens=prompt.length or 0)
     start = last = time.perf_counter()
     try:
-        async with client.stream("POST", "/v1/completions", json=body, headers=ep.headers()) as r:
+        async with client.stream("POST", path, json=body, headers=ep.headers()) as r:
             if r.status_code != 200:
                 await r.aread()
                 record.error = f"HTTP {r.status_code}: {r.text[:300]}"
                 return record
             async for line in sse_lines(r):
                 if not line.startswith("data: "):
-                    continue
-                data = line[6:]
-                if data == "[DONE]":
-                    break
+                    continue  # blank lines, comments, Anthropic's `event:` lines
                 now = time.perf_counter()
-                chunk = json.loads(data)
-                if "error" in chunk:
-                    record.error = f"error event: {chunk['error'].get('message', chunk['error'])}"
+                event = read_event(line[6:], spec.mode)
+                if event.error is not None:
+                    record.error = event.error
                     return record
-                if chunk.get("choices"):
+                if event.output:
                     if record.ttft == 0.0:
                         record.ttft = now - start
                     else:
                         record.itl.append(now - last)
                     last = now
-                elif chunk.get("usage"):
-                    record.output_tokens = chunk["usage"]["completion_tokens"]
-                    record.prompt_tokens = prompt.length or chunk["usage"]["prompt_tokens"]
+                if event.usage is not None:
+                    record.prompt_tokens = prompt.length or event.usage[0]
+                    record.output_tokens = event.usage[1]
+                if event.end:
+                    break
         record.latency = time.perf_counter() - start
         record.success = record.ttft > 0.0 and record.output_tokens > 0
         if not record.success:

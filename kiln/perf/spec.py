@@ -45,13 +45,18 @@ class Spec(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # from [L * (1 - r), L * (1 + r)] around its point's L (the input only for random prompts).
     range_ratio: tuple[Ratio, Ratio] = (0.0, 0.0)
     slo: SLO = msgspec.field(default_factory=SLO)
-    mode: Literal["completions"] = "completions"
+    # The API each request goes to, streamed: /v1/completions, /v1/chat/completions, or Anthropic's
+    # /v1/messages (chat and messages send a text prompt as one user message; messages has no ignore_eos,
+    # so its replies end where the model ends them).
+    mode: Literal["completions", "chat", "messages"] = "completions"
     # Fields added to every request body as they are (e.g. response_format); over HTTP only.
     extra_body: dict[str, Any] = msgspec.field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if (self.concurrency is None) == (self.request_rate is None):
             raise ValueError("give exactly one of concurrency and request_rate")
+        if self.mode != "completions" and self.dataset == "random":
+            raise ValueError(f"mode {self.mode} sends text: give a text dataset (builtin, or a JSONL file)")
 
     def loads(self) -> list[tuple[str, float]]:
         """The sweep's load axis: ("concurrency", c) or ("request_rate", r) points."""

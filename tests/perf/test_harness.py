@@ -55,6 +55,25 @@ def test_run_plot_compare(server: Server, tmp_path: Path, capsys: pytest.Capture
     assert "output_throughput" in table and table.count("    1.00") >= 10
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["chat", "messages"])
+def test_chat_and_messages_modes(server: Server, tmp_path: Path, mode: str) -> None:
+    """The builtin prompts as one user message each, streamed from /v1/chat/completions (ignore_eos: every
+    reply is max_tokens long) or /v1/messages (replies end where the model ends them)."""
+    spec = tmp_path / "spec.yaml"
+    spec.write_text(SMOKE.read_text().replace("dataset: random", f"dataset: builtin\nmode: {mode}"))
+    args = ["perf", "run", "--spec", str(spec), "--base-url", server.url, "--model", MODEL, "--label", mode]
+    assert main([*args, "--api-key", API_KEY, "--out", str(tmp_path)]) == 0
+    for point in json.loads((tmp_path / f"{mode}-smoke.json").read_text())["points"]:
+        s = point["summary"]
+        assert (s["completed"], s["failed"]) == (4, 0)
+        assert s["total_input_tokens"] > 4 * 16  # the prompts' own tokens and the template's
+        assert 4 <= s["total_output_tokens"] <= 4 * 8 and (
+            mode == "messages" or s["total_output_tokens"] == 32
+        )
+        assert 0 < s["ttft_ms"]["median"] <= s["e2el_ms"]["median"]
+
+
 def test_bad_key_is_counted_not_dropped(server: Server, tmp_path: Path) -> None:
     args = [
         "perf",

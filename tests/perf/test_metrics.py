@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import random
 
 import httpx
@@ -46,16 +47,21 @@ def test_no_slo_means_no_goodput() -> None:
     assert summarize([STEADY], 1.0, SLO()).goodput is None
 
 
-def _replay(events: list[bytes]) -> RequestRecord:
-    """The client against a canned SSE body: the server faults below can't be caused on demand."""
+def _replay(events: list[bytes], mode: str = "completions") -> RequestRecord:
+    """The client against a canned SSE body: the server faults below can't be caused on demand. messages:
+    each event's `event:` line too, as Anthropic's streams have them."""
+
+    def frame(e: bytes) -> bytes:
+        name = b"event: " + json.loads(e)["type"].encode() + b"\n" if mode == "messages" else b""
+        return name + b"data: " + e + b"\n\n"
 
     def handler(request: httpx.Request) -> httpx.Response:
-        return httpx.Response(200, content=b"".join(b"data: " + e + b"\n\n" for e in events))
+        return httpx.Response(200, content=b"".join(frame(e) for e in events))
 
     async def go() -> RequestRecord:
         transport = httpx.MockTransport(handler)
         async with httpx.AsyncClient(transport=transport, base_url="http://x") as client:
-            spec = Spec(concurrency=[1])
+            spec = Spec(concurrency=[1], mode=mode, dataset="random" if mode == "completions" else "builtin")
             return await send(client, Endpoint("http://x", "m"), Prompt([1, 2, 3], 3, 4), spec)
 
     return asyncio.run(go())
@@ -85,6 +91,32 @@ def test_client_records_a_failure_mid_stream() -> None:
     error = b'{"error": {"message": "the engine has died", "type": "ServiceUnavailableError", "code": 503}}'
     r = _replay([chunk, error, b"[DONE]"])
     assert not r.success and r.error == "error event: the engine has died"
+
+
+def test_client_reads_chat_and_messages_streams() -> None:
+    """Chat: the role chunk that opens a stream is no output. Messages: each content_block_delta is, and
+    message_delta's usage counts the prompt with its cache reads."""
+    role = b'{"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]}'
+    text = b'{"choices": [{"index": 0, "delta": {"content": "ab"}}]}'
+    usage = b'{"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 2}}'
+    r = _replay([role, text, text, usage, b"[DONE]"], "chat")
+    assert r.success and (r.prompt_tokens, r.output_tokens, len(r.itl)) == (3, 2, 1)
+    events = [
+        b'{"type": "message_start", "message": {"usage": {"input_tokens": 3, "output_tokens": 1}}}',
+        b'{"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}}',
+        *[b'{"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": "ab"}}'] * 3,
+        b'{"type": "content_block_stop", "index": 0}',
+        b'{"type": "message_delta", "delta": {"stop_reason": "max_tokens"},'
+        b' "usage": {"input_tokens": 1, "output_tokens": 3, "cache_read_input_tokens": 2}}',
+        b'{"type": "message_stop"}',
+    ]
+    r = _replay(events, "messages")
+    assert r.success and (r.prompt_tokens, r.output_tokens, len(r.itl)) == (3, 3, 2)
+    error = b'{"type": "error", "error": {"type": "overloaded_error", "message": "queue full"}}'
+    r = _replay([*events[:3], error], "messages")
+    assert not r.success and r.error == "error event: queue full"
+    with pytest.raises(ValueError, match="mode chat sends text"):
+        Spec(concurrency=[1], mode="chat")
 
 
 def test_range_ratio_draws_lengths_across_the_whole_range() -> None:
