@@ -6,18 +6,22 @@ Anthropic's stream events (kiln.api.messages_stream)."""
 
 from __future__ import annotations
 
+import functools
 import json
 from typing import Any
 
 import msgspec
+from msgspec import UNSET, UnsetType
 from starlette.requests import Request
 from starlette.responses import Response
 
 from kiln.api.chat import chat, shown_tools
+from kiln.api.context_edits import apply_edits
 from kiln.api.defaults import with_defaults
 from kiln.api.errors import APIError
 from kiln.api.inputs import Inputs
 from kiln.api.messages_protocol import (
+    AppliedEdits,
     CountTokensRequest,
     CountTokensResponse,
     ImageBlock,
@@ -50,23 +54,43 @@ async def create_message(
     generating(engine, "Messages")
     rid = response_id("msg_", request, None)
     model = engine.served_name(body.model)
-    as_chat = with_defaults(to_chat(body, inputs.template_traits()), inputs.limits)
-    reply = await chat(engine, inputs, request, as_chat, inputs.limits.enable_prompt_tokens_details)
+    traits = inputs.template_traits()
+    edits: AppliedEdits | UnsetType = UNSET
+    if body.context_management is not None:
+        body, applied, _, _ = await apply_edits(body, functools.partial(_count, inputs, traits))
+        edits = AppliedEdits(applied)
+    reply = await chat(
+        engine, inputs, request, _as_chat(body, inputs, traits), inputs.limits.enable_prompt_tokens_details
+    )
     if reply is None:
         return None
     if isinstance(reply, ChatCompletionResponse):
-        return whole(reply, rid, model)
-    return sse(events(reply, rid, model), inputs.limits.sse_keep_alive_interval, named=True)
+        return whole(reply, rid, model, edits)
+    return sse(events(reply, rid, model, edits), inputs.limits.sse_keep_alive_interval, named=True)
 
 
 async def count_tokens(
     engine: AsyncEngine, inputs: Inputs, request: Request, body: CountTokensRequest
 ) -> CountTokensResponse:
-    """The prompt's tokens, as /v1/messages would render it (vLLM's, with its context_management)."""
+    """The prompt's tokens, as /v1/messages would render it, after its context edits (and before them)."""
     generating(engine, "Messages")
-    as_chat = with_defaults(to_chat(body, inputs.template_traits()), inputs.limits)
-    n = len(await inputs.chat_ids(as_chat, shown_tools(as_chat, inputs.limits)))
-    return CountTokensResponse(n, {"original_input_tokens": n})
+    count = functools.partial(_count, inputs, inputs.template_traits())
+    if body.context_management is None:
+        before = after = await count(body)
+    else:
+        _, _, before, after = await apply_edits(body, count)
+    return CountTokensResponse(after, {"original_input_tokens": before})
+
+
+async def _count(inputs: Inputs, traits: TemplateTraits, body: MessagesRequest | CountTokensRequest) -> int:
+    as_chat = _as_chat(body, inputs, traits)
+    return len(await inputs.chat_ids(as_chat, shown_tools(as_chat, inputs.limits)))
+
+
+def _as_chat(
+    body: MessagesRequest | CountTokensRequest, inputs: Inputs, traits: TemplateTraits
+) -> ChatCompletionRequest:
+    return with_defaults(to_chat(body, traits), inputs.limits)
 
 
 # -- the request ------------------------------------------------------------------------------------

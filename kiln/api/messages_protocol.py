@@ -103,6 +103,47 @@ class Metadata(_Strict):
     user_id: str | None = None
 
 
+class InputTokens(_Strict, tag_field="type", tag="input_tokens"):
+    value: Annotated[int, Meta(ge=0)]
+
+
+class ToolUses(_Strict, tag_field="type", tag="tool_uses"):
+    value: Annotated[int, Meta(ge=0)]
+
+
+class ThinkingTurns(_Strict, tag_field="type", tag="thinking_turns"):
+    value: Annotated[int, Meta(ge=1)]
+
+
+class AllThinkingTurns(_Strict, tag_field="type", tag="all"):
+    pass
+
+
+class ClearToolUses(_Strict, tag_field="type", tag="clear_tool_uses_20250919"):
+    """Once the prompt passes `trigger`, the oldest tool results (and, asked, their calls' inputs) become a
+    placeholder, all but the last `keep` uses, unless that clears fewer than `clear_at_least` tokens."""
+
+    trigger: InputTokens | ToolUses = msgspec.field(default_factory=lambda: InputTokens(value=100_000))
+    keep: ToolUses = msgspec.field(default_factory=lambda: ToolUses(value=3))
+    clear_at_least: InputTokens | None = None
+    exclude_tools: list[str] | None = None
+    clear_tool_inputs: bool | list[str] | None = None  # a list: the tools whose inputs are cleared
+
+
+class ClearThinking(_Strict, tag_field="type", tag="clear_thinking_20251015"):
+    """The thinking of all but the last `keep` assistant turns left out."""
+
+    keep: ThinkingTurns | AllThinkingTurns | Literal["all"] = msgspec.field(
+        default_factory=lambda: ThinkingTurns(value=1)
+    )
+
+
+class ContextManagement(_Strict):
+    """Anthropic's context editing, applied before the prompt is rendered (kiln.api.context_edits)."""
+
+    edits: list[ClearToolUses | ClearThinking]
+
+
 class _Conversation(_Strict):
     """What both endpoints render through the chat template."""
 
@@ -114,6 +155,7 @@ class _Conversation(_Strict):
     thinking: ThinkingConfig | None = None
     output_config: OutputConfig | None = None
     cache_control: CacheControl = None  # the last block's, as if marked there
+    context_management: ContextManagement | None = None
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM's
 
 
@@ -173,11 +215,26 @@ class MessagesResponse(msgspec.Struct, kw_only=True):
     stop_reason: StopReason | None
     stop_sequence: str | None
     usage: Usage
+    context_management: AppliedEdits | UnsetType = UNSET  # where the request asked for edits
+
+
+class ClearedToolUses(msgspec.Struct, tag_field="type", tag="clear_tool_uses_20250919"):
+    cleared_tool_uses: int
+    cleared_input_tokens: int
+
+
+class ClearedThinking(msgspec.Struct, tag_field="type", tag="clear_thinking_20251015"):
+    cleared_thinking_turns: int
+    cleared_input_tokens: int
+
+
+class AppliedEdits(msgspec.Struct):
+    applied_edits: list[ClearedToolUses | ClearedThinking]
 
 
 class CountTokensResponse(msgspec.Struct):
-    input_tokens: int
-    context_management: dict[str, int]  # vLLM's: {"original_input_tokens": the same count}
+    input_tokens: int  # after the request's context edits
+    context_management: dict[str, int]  # {"original_input_tokens": before them}
 
 
 # -- stream events, in their order --------------------------------------------------------------------
@@ -225,6 +282,7 @@ class StopDelta(msgspec.Struct):
 class MessageDelta(msgspec.Struct, tag_field="type", tag="message_delta"):
     delta: StopDelta
     usage: Usage
+    context_management: AppliedEdits | UnsetType = UNSET
 
 
 class MessageStop(msgspec.Struct, tag_field="type", tag="message_stop"):

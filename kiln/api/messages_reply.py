@@ -11,8 +11,10 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import msgspec
+from msgspec import UNSET, UnsetType
 
 from kiln.api.messages_protocol import (
+    AppliedEdits,
     ContentBlockDelta,
     ContentBlockStart,
     ContentBlockStop,
@@ -37,7 +39,10 @@ from kiln.api.responses import ChatCompletionChunk, ChatCompletionResponse
 from kiln.api.responses import Usage as ChatUsage
 
 
-def whole(reply: ChatCompletionResponse, rid: str, model: str) -> MessagesResponse:
+def whole(
+    reply: ChatCompletionResponse, rid: str, model: str, edits: AppliedEdits | UnsetType = UNSET
+) -> MessagesResponse:
+    """edits: the request's context edits, where it asked for some."""
     choice = reply.choices[0]
     message = choice.message
     content: list[ContentOut] = []
@@ -63,6 +68,7 @@ def whole(reply: ChatCompletionResponse, rid: str, model: str) -> MessagesRespon
         stop_reason=reason,
         stop_sequence=sequence,
         usage=usage(reply.usage),
+        context_management=edits,
     )
 
 
@@ -102,7 +108,7 @@ def stop_reason(
 
 
 async def events(
-    chunks: AsyncIterator[ChatCompletionChunk], rid: str, model: str
+    chunks: AsyncIterator[ChatCompletionChunk], rid: str, model: str, edits: AppliedEdits | UnsetType = UNSET
 ) -> AsyncIterator[StreamEvent]:
     blocks = _Blocks()
     finish: str | None = None
@@ -149,7 +155,7 @@ async def events(
     reason, sequence = stop_reason(
         finish, stop, blocks.called, blocks.called and _object(blocks.args) is not None
     )
-    yield MessageDelta(StopDelta(reason, sequence), usage(final))
+    yield MessageDelta(StopDelta(reason, sequence), usage(final), edits)
     yield MessageStop()
 
 

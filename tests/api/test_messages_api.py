@@ -5,6 +5,7 @@ token count, and Anthropic-shaped errors for what kiln refuses."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from pathlib import Path
 
@@ -15,8 +16,9 @@ import openai
 import pytest
 from transformers import AutoTokenizer
 
+from kiln.api.errors import APIError
 from kiln.api.messages import to_chat
-from kiln.api.messages_protocol import MessagesRequest, ThinkingConfig
+from kiln.api.messages_protocol import ClearedToolUses, MessagesRequest, ThinkingConfig
 from kiln.api.template_traits import TemplateTraits, template_traits
 from kiln.server_config import ServerConfig
 from tests.api.server import Server, post
@@ -337,3 +339,91 @@ def test_template_traits(default_model_dir: Path) -> None:
     assert template_traits(tokenizer, server) == TemplateTraits(system_first=True, disabled_effort="none")
     pinned = ServerConfig(anthropic_disabled_thinking_effort="medium")
     assert template_traits(tokenizer, pinned).disabled_effort == "medium"
+
+
+def kind(block: msgspec.Struct) -> str:
+    return block.__struct_config__.tag  # type: ignore[return-value]
+
+
+def _history(results: list[str]) -> list[dict]:
+    """A conversation of one tool use per turn, each with its result and an assistant's thinking."""
+    messages: list[dict] = [{"role": "user", "content": "Weather in three cities?"}]
+    for i, result in enumerate(results):
+        call = {"type": "tool_use", "id": f"t{i}", "name": "get_weather", "input": {"city": f"City {i}"}}
+        thought = {"type": "thinking", "thinking": f"Check city {i}.", "signature": "s"}
+        messages.append({"role": "assistant", "content": [thought, call]})
+        messages.append(
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": f"t{i}", "content": result}]}
+        )
+    return messages
+
+
+def test_context_edits_clear_as_asked() -> None:
+    """The edits on the conversation itself (a stand-in count: the body's JSON length): tool results and
+    inputs cleared but for the last `keep` and the excluded tools, once the trigger is passed; none where
+    fewer than clear_at_least tokens would go; thinking of all but the last turn."""
+    from kiln.api.context_edits import CLEARED, apply_edits
+
+    async def count(b: MessagesRequest) -> int:
+        return len(msgspec.json.encode(b.messages))
+
+    def request(edits: list[dict], thinking: str | None = "adaptive") -> MessagesRequest:
+        history = _history(["Sunny " * 20, "Rain " * 20, "Snow"])
+        body = {"model": "m", "max_tokens": 9, "messages": history, "context_management": {"edits": edits},
+                "thinking": thinking and {"type": thinking}}  # fmt: skip
+        return msgspec.convert(body, MessagesRequest)
+
+    def shown(b: MessagesRequest) -> list:
+        return [(blk.content if kind(blk) == "tool_result" else blk.input) for m in b.messages[1:]
+                for blk in m.content if kind(blk) in ("tool_result", "tool_use")]  # fmt: skip
+
+    edit = {"type": "clear_tool_uses_20250919", "trigger": {"type": "tool_uses", "value": 2},
+            "keep": {"type": "tool_uses", "value": 1}, "clear_tool_inputs": ["get_weather"]}  # fmt: skip
+    body, applied, before, after = asyncio.run(apply_edits(request([edit]), count))
+    assert shown(body) == [{}, CLEARED, {}, CLEARED, {"city": "City 2"}, "Snow"]
+    assert applied == [ClearedToolUses(2, before - after)] and after < before
+    for quiet in ({"trigger": {"type": "tool_uses", "value": 3}}, {"exclude_tools": ["get_weather"]},
+                  {"clear_at_least": {"type": "input_tokens", "value": 10_000}}):  # fmt: skip
+        body, applied, before, after = asyncio.run(apply_edits(request([{**edit, **quiet}]), count))
+        assert applied == [] and before == after and shown(body)[1] == "Sunny " * 20
+    thinking = {"type": "clear_thinking_20251015"}  # keep: the last turn's
+    body, applied, _, _ = asyncio.run(apply_edits(request([thinking]), count))
+    assert [[kind(blk) for blk in m.content] for m in body.messages[1::2]] == [
+        ["tool_use"], ["tool_use"], ["thinking", "tool_use"],
+    ]  # fmt: skip
+    assert applied[0].cleared_thinking_turns == 2
+    for keep in ("all", {"type": "all"}):
+        assert asyncio.run(apply_edits(request([{**thinking, "keep": keep}]), count))[1] == []
+    with pytest.raises(APIError, match="requires `thinking` to be enabled or adaptive"):
+        asyncio.run(apply_edits(request([thinking], None), count))
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_context_edits_on_the_wire(server: Server, stream: bool) -> None:
+    """count_tokens counts the edited prompt (the same as the history sent already edited) beside the
+    original; a reply says what its edits cleared, whole and in message_delta."""
+    history = _history(["Sunny and warm all day. " * 8, "Rain. " * 8, "Snow."])
+    edit = {"type": "clear_tool_uses_20250919", "trigger": {"type": "input_tokens", "value": 10},
+            "keep": {"type": "tool_uses", "value": 2}}  # fmt: skip
+    body = {"model": MODEL, "messages": history, "context_management": {"edits": [edit]}}
+    count = post(server, "/v1/messages/count_tokens", json=body).json()
+    by_hand = list(history)
+    by_hand[2] = {
+        "role": "user",
+        "content": [{**history[2]["content"][0], "content": "[tool result cleared]"}],
+    }
+    plain = post(server, "/v1/messages/count_tokens", json={"model": MODEL, "messages": by_hand}).json()
+    assert (
+        count["input_tokens"] == plain["input_tokens"] < count["context_management"]["original_input_tokens"]
+    )
+    cleared = count["context_management"]["original_input_tokens"] - count["input_tokens"]
+    reply = {**body, "max_tokens": 2, "temperature": 0, "stream": stream}
+    r = post(server, "/v1/messages", json=reply)
+    if stream:
+        events = [json.loads(f.split("\n")[1].removeprefix("data: ")) for f in r.text.split("\n\n") if f]
+        edits = next(e for e in events if e["type"] == "message_delta")["context_management"]
+    else:
+        edits = r.json()["context_management"]
+    assert edits == {"applied_edits": [
+        {"type": "clear_tool_uses_20250919", "cleared_tool_uses": 1, "cleared_input_tokens": cleared}
+    ]}  # fmt: skip
