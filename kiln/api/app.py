@@ -46,9 +46,8 @@ class App:
     def __init__(
         self, config: ServeConfig, started: float | None = None, imports: float = 0.0, listening: bool = True
     ) -> None:
-        """started: the process's clock at launch (perf_counter); imports: seconds the launch spent importing
-        the serving stack, the ready line's first part; listening: served on server.host and port (not, for
-        run-batch, in-process)."""
+        """started: the process's clock at launch (perf_counter); imports: seconds spent importing the
+        serving stack (the ready line's first part); listening: on server.host and port (run-batch: not)."""
         self.config = config
         self.listening = listening
         model = config.model.model

@@ -3,34 +3,26 @@
 from __future__ import annotations
 
 import functools
-from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from collections.abc import AsyncIterator
 
 import msgspec
-from msgspec import UNSET, UnsetType
+from msgspec import UNSET
 from starlette.requests import Request
 from starlette.responses import Response
 
 from kiln.api.beam_search import beam_search_all, check_beam_search
+from kiln.api.chat_reply import Chunks, Reading, chat_logprobs, finish
 from kiln.api.errors import APIError
 from kiln.api.inputs import Inputs
 from kiln.api.protocol import ChatCompletionRequest, TextPart, Tool
-from kiln.api.reasoning import ThinkSplit
 from kiln.api.request_log import log_outputs, log_requests, logged
 from kiln.api.responses import (
     AssistantMessage,
     ChatChoice,
-    ChatChunkChoice,
     ChatCompletionChunk,
     ChatCompletionResponse,
-    ChatLogprobs,
-    Delta,
-    DeltaToolCall,
-    TokenLogprob,
-    TopLogprob,
 )
 from kiln.api.serving import (
-    api_logprob,
     constraint,
     final_outputs,
     generating,
@@ -40,13 +32,10 @@ from kiln.api.serving import (
     response_id,
     sampling_params,
     start_all,
-    token_text,
 )
-from kiln.api.streaming import ChoiceDelta, events, every, sse, stream_interval, usage, usage_asked
+from kiln.api.streaming import events, every, sse, stream_interval, usage, usage_asked
 from kiln.api.tool_calls import ToolCallStream, call_id, forced_call_schema, mistral_call_id
-from kiln.api.tool_parser import Parser, parser_for
 from kiln.engine.async_engine import AsyncEngine
-from kiln.engine.request import PositionLogprobs
 from kiln.sampling_params import truncate_prompt
 from kiln.server_config import ServerConfig
 
@@ -110,7 +99,7 @@ async def chat(
     rid = response_id("chatcmpl-", request, body.request_id)
     # A forced call's JSON follows the thinking, unless constraints hold the whole reply.
     think = None if calls and engine.admission.constrain_thinking else engine.reasoning_parser
-    reading = functools.partial(_Reading.start, think, auto, body.tools or [], body.include_reasoning)
+    reading = functools.partial(Reading.start, think, auto, body.tools or [], body.include_reasoning)
     await log_requests(inputs, rid, [ids], [params])
     if body.use_beam_search:
         outputs = await beam_search_all(engine, request, body, rid, [ids], [params])
@@ -118,7 +107,7 @@ async def chat(
         streams = start_all(engine, request, body, rid, [ids], [params])
         if body.stream:
             usage_chunk = functools.partial(ChatCompletionChunk, id=rid, model=model)
-            chunks = _Chunks(rid, model, k, calls, call_stream, body, role, echo, reading, prompt_text)
+            chunks = Chunks(rid, model, k, calls, call_stream, body, role, echo, reading, prompt_text)
             outputs = logged(server, rid, 1, merged(streams))
             outputs = every(outputs, stream_interval(body, server.stream_interval))
             return events(outputs, 1, chunks, usage_chunk, usage_asked(body, cached))
@@ -129,7 +118,7 @@ async def chat(
     out = outputs[0]
     choices = []
     for c in out.outputs:
-        reason = _finish(c.finish_reason, calls)
+        reason = finish(c.finish_reason, calls)
         r = reading()
         reasoning, content, _ = r.feed(c.text, final=True)
         if calls:
@@ -168,140 +157,3 @@ def _text(content: str | list[TextPart] | None) -> str:
     if isinstance(content, list):
         return "".join(part.text or "" for part in content)
     return content or ""
-
-
-def _finish(reason: str | None, calls: bool) -> str | None:
-    return "tool_calls" if calls and reason == "stop" else reason
-
-
-def chat_logprobs(
-    ids: list[int], positions: list[PositionLogprobs], k: int, as_ids: bool = False
-) -> ChatLogprobs:
-    content = []
-    for token, entry in zip(ids, positions, strict=True):
-        chosen = token_text(token, entry[token].decoded_token, as_ids)
-        top = sorted(((t, lp) for t, lp in entry.items() if lp.rank <= k), key=lambda e: e[1].rank)[:k]
-        named = [(token_text(t, lp.decoded_token, as_ids), api_logprob(lp.logprob)) for t, lp in top]
-        content.append(
-            TokenLogprob(
-                chosen,
-                api_logprob(entry[token].logprob),
-                list(chosen.encode()),
-                [TopLogprob(text, logprob, list(text.encode())) for text, logprob in named],
-            )
-        )
-    return ChatLogprobs(content)
-
-
-@dataclass(slots=True)
-class _Reading:
-    """How a choice's text becomes its message: a reasoning model's thinking apart (model.reasoning_parser),
-    then the calls the model chose (tool_choice "auto"), the rest content (or a forced call's JSON)."""
-
-    think: ThinkSplit | None
-    auto: Parser | None
-    include_reasoning: bool
-
-    @classmethod
-    def start(
-        cls, think: str | None, auto: str | None, tools: list[Tool], include_reasoning: bool
-    ) -> _Reading:
-        return cls(
-            None if think is None else ThinkSplit(think),
-            None if auto is None else parser_for(auto, tools),
-            include_reasoning,
-        )
-
-    def feed(self, text: str, final: bool) -> tuple[str, str, list[DeltaToolCall]]:
-        """(reasoning, content, calls) new in this text."""
-        reasoning = ""
-        if self.think is not None:
-            reasoning, text = self.think.feed(text, final)
-        if self.auto is None:
-            return reasoning, text, []
-        content, calls = self.auto.feed(text, final)
-        return reasoning, content, calls
-
-    @property
-    def plain(self) -> bool:
-        return self.think is None and self.auto is None
-
-    @property
-    def called(self) -> bool:
-        return self.auto is not None and bool(self.auto.calls)
-
-    def reasoning_field(self, reasoning: str) -> str | UnsetType | None:
-        """The message's `reasoning`: left out without a reasoning parser, or when the request asks so."""
-        if self.think is None or not self.include_reasoning:
-            return UNSET
-        return reasoning or None
-
-
-class _Chunks:
-    """A stream's chunks: a role chunk to open each choice (as OpenAI), then its content (and reasoning, and
-    the calls it chose, as _Reading sets them apart), or its tool-call deltas when a call is forced."""
-
-    def __init__(
-        self,
-        rid: str,
-        model: str,
-        k: int | None,
-        calls: bool,
-        call_stream: Callable[[], ToolCallStream],
-        body: ChatCompletionRequest,
-        role: str,
-        echo: str,
-        reading: Callable[[], _Reading],
-        prompt_text: str | UnsetType,
-    ) -> None:
-        self.rid, self.model, self.k = rid, model, k
-        self.prompt_text = prompt_text
-        self.role, self.echo = role, echo
-        self.reading = reading
-        self.readings: dict[int, _Reading] = {}  # each choice's
-        self.calls: dict[int, ToolCallStream] | None = {} if calls else None
-        self.call_stream = call_stream
-        self.as_ids, self.return_ids = body.return_tokens_as_token_ids, body.return_token_ids
-        self.opened = False  # the stream's first chunk is out (it carries the prompt's ids and text if asked)
-
-    def __call__(self, deltas: list[ChoiceDelta]) -> list[ChatCompletionChunk]:
-        out, choices = [], []
-        for d in deltas:
-            if d.first:
-                opening = Delta(role=self.role, content="" if self.calls is None else None)
-                out.append(self._chunk([ChatChunkChoice(d.index, opening)]))
-                if not self.opened:
-                    if self.return_ids:
-                        out[-1].prompt_token_ids = d.request.prompt_token_ids
-                    out[-1].prompt_text = self.prompt_text
-                self.opened = True
-                if self.echo and self.calls is None:
-                    out.append(self._chunk([ChatChunkChoice(d.index, Delta(content=self.echo))]))
-            c = d.output
-            logprobs = None
-            if self.k is not None:
-                logprobs = chat_logprobs(c.token_ids, c.logprobs or [], self.k, self.as_ids)
-            reason = _finish(c.finish_reason, self.calls is not None)
-            r = self.readings.get(d.index)
-            if r is None:
-                r = self.readings[d.index] = self.reading()
-            reasoning, content, found = r.feed(c.text, final=c.finish_reason is not None)
-            shown = reasoning if r.include_reasoning else ""
-            if self.calls is not None:
-                stream = self.calls.get(d.index)
-                if stream is None:
-                    stream = self.calls[d.index] = self.call_stream()
-                delta = Delta(reasoning=shown or None, tool_calls=stream.feed(content) or None)
-            else:
-                if r.plain:
-                    delta = Delta(content=content)  # as it came, an empty text included
-                else:
-                    delta = Delta(content=content or None, reasoning=shown or None, tool_calls=found or None)
-                reason = "tool_calls" if r.called and reason is not None else reason
-            ids = ids_if(self.return_ids, c.token_ids)
-            choices.append(ChatChunkChoice(d.index, delta, logprobs, reason, c.stop_reason, ids))
-        out.append(self._chunk(choices))
-        return out
-
-    def _chunk(self, choices: list[ChatChunkChoice]) -> ChatCompletionChunk:
-        return ChatCompletionChunk(id=self.rid, model=self.model, choices=choices)
