@@ -43,6 +43,10 @@ class LLM:
     def get_tokenizer(self) -> Any:
         return self.engine.tokenizer
 
+    def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
+        """vLLM's: forgets every cached prefix (between calls no request holds blocks, so it succeeds)."""
+        return self.engine.reset_prefix_cache(reset_running_requests)
+
     def generate(
         self,
         prompts: Prompt | Sequence[Prompt],

@@ -18,6 +18,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from kiln.api.dev import DEV
 from kiln.api.errors import APIError, as_api_error
 from kiln.api.inputs import Inputs
 from kiln.api.invocations import create_invocation
@@ -87,6 +88,11 @@ class App:
                     Route(p, self._api(p, h, kind), methods=post)
                     for p, h, kind in loras
                     if vllm_flag("VLLM_ALLOW_RUNTIME_LORA_UPDATING")
+                ),
+                *(
+                    Route(p, self._api(p, h), methods=[m])
+                    for p, h, m in DEV
+                    if vllm_flag("VLLM_SERVER_DEV_MODE")
                 ),
                 Route("/health", self._health, methods=get),
                 Route("/ping", self._health, methods=["GET", "POST"]),  # SageMaker's, as vLLM

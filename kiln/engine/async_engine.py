@@ -10,6 +10,7 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -19,9 +20,10 @@ from kiln.engine.admission import Admission
 from kiln.engine.bad_words import BadWords
 from kiln.engine.engine import LLMEngine
 from kiln.engine.metrics import Metrics
+from kiln.engine.pause import Pause, PauseMode, Pausing, Resuming
 from kiln.engine.pooler import Pooler
 from kiln.engine.queue_limits import Overloaded, QueueLimits
-from kiln.engine.request_output import RequestOutput
+from kiln.engine.request_output import CompletionOutput, RequestOutput
 from kiln.engine.request_stream import RequestStream
 from kiln.engine.tokenizer import load_tokenizer
 from kiln.lora_request import LoRARequest
@@ -60,6 +62,12 @@ class _Abort:
     request_id: str
 
 
+@dataclass(slots=True)
+class _ResetPrefixCache:
+    reset_running_requests: bool
+    done: Callable[[bool], None]
+
+
 _STOP = object()
 
 
@@ -88,6 +96,8 @@ class AsyncEngine:
         self._streams: dict[str, RequestStream] = {}
         self._queue = QueueLimits(config.scheduler)
         self.served_loras: dict[str, LoRARequest] = {}  # by the name a request's `model` gives (kiln.api)
+        self.paused = False  # between pause() and resume()
+        self._pause = Pause()  # the engine thread's
         self._thread = threading.Thread(target=self._run, args=(config,), name="kiln-engine", daemon=True)
         self._thread.start()
 
@@ -136,7 +146,7 @@ class AsyncEngine:
         admission.check_options(priority, cache_salt)
         bad_words = admission.check_params(params)
         admission.check_prompt(prompt_ids, isinstance(params, PoolingParams))
-        stream = RequestStream(request_id, self.abort, params)
+        stream = RequestStream(request_id, self.abort, params, prompt_token_ids=prompt_ids)
         tokens = len(prompt_ids) * stream.seqs  # as vLLM counts its n sequences
         try:
             self._queue.join(stream.seqs, tokens)
@@ -177,6 +187,41 @@ class AsyncEngine:
             self.metrics.finished("abort")
             self._commands.put(_Abort(request_id))
 
+    async def pause(self, mode: PauseMode, clear_cache: bool = True) -> None:
+        """Returns once the pause holds (kiln.engine.pause); requests that come meanwhile wait for resume."""
+        if mode == "abort":  # each generation ends with an "abort" output, as vLLM's; an embedding finishes
+            for request_id, stream in list(self._streams.items()):
+                if isinstance(stream.params, SamplingParams):
+                    self.abort(request_id)
+                    logprobs = None if stream.params.logprobs is None else []
+                    ends = [
+                        CompletionOutput(i, "", [], None, logprobs, "abort", None) for i in range(stream.seqs)
+                    ]
+                    stream.queue.put_nowait(
+                        RequestOutput(request_id, None, stream.prompt_token_ids, None, ends, True)
+                    )
+        self.paused = True
+        await self._call(lambda done: Pausing(mode, clear_cache, lambda: done(None)))
+
+    def resume(self) -> None:
+        self.paused = False
+        self._commands.put(Resuming())
+
+    async def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
+        """LLMEngine.reset_prefix_cache, between two steps."""
+        return await self._call(lambda done: _ResetPrefixCache(reset_running_requests, done))
+
+    def _call(self, command: Callable[[Callable[[Any], None]], Any]) -> asyncio.Future[Any]:
+        """Queues the command `command(done)` makes; the future is done when the engine thread calls done."""
+        future = self._loop.create_future()
+
+        def resolve(value: Any) -> None:
+            if not future.done():  # (its caller may have gone)
+                future.set_result(value)
+
+        self._commands.put(command(lambda value: self._loop.call_soon_threadsafe(resolve, value)))
+        return future
+
     async def shutdown(self) -> None:
         for request_id in list(self._streams):
             self.abort(request_id)
@@ -195,16 +240,18 @@ class AsyncEngine:
             self._loop.call_soon_threadsafe(self._resolve, None, e)
             return
         self._loop.call_soon_threadsafe(self._resolve, engine, None)
+        pause = self._pause
         try:
             while True:
-                for command in self._pending(block=not engine.has_unfinished()):
+                for command in self._pending(block=pause.frozen or not engine.has_unfinished()):
                     if command is _STOP:
                         return
                     self._apply(engine, command)
-                if engine.has_unfinished():
+                if engine.has_unfinished() and not pause.frozen:
                     outputs = engine.step()
                     if outputs:
                         self._loop.call_soon_threadsafe(self._dispatch, outputs, time.monotonic())
+                pause.settle(engine)
         except BaseException as e:
             log.exception("engine step failed; the engine is dead")
             self._loop.call_soon_threadsafe(self._die, e)
@@ -218,12 +265,25 @@ class AsyncEngine:
             except queue.Empty:
                 return commands
 
-    def _apply(self, engine: LLMEngine, command: _Add | _Abort | _Lora) -> None:
+    def _apply(self, engine: LLMEngine, command: Any) -> None:
         if isinstance(command, _Abort):
             engine.abort(command.request_id)
+            self._pause.drop(command.request_id)
             return
         if isinstance(command, _Lora):
             engine.loras.keep(command.adapter) if command.adapter else engine.loras.drop(command.lora_int_id)
+            return
+        if isinstance(command, Pausing):
+            self._pause.start(command, engine)
+            return
+        if isinstance(command, Resuming):
+            for held in self._pause.resume():
+                self._apply(engine, held)
+            return
+        if isinstance(command, _ResetPrefixCache):
+            command.done(engine.reset_prefix_cache(command.reset_running_requests))
+            return
+        if self._pause.hold(command):
             return
         try:
             c = command

@@ -123,3 +123,12 @@ class BlockManager:
         if self.ref_counts[block_id] == 0:
             del self.free[block_id]
         self.ref_counts[block_id] += 1
+
+    def reset_prefix_cache(self) -> bool:
+        """Forgets every cached prefix (vLLM's reset_prefix_cache); False, and nothing forgotten, while a
+        request holds blocks."""
+        if any(self.ref_counts):
+            return False
+        self.cached.clear()
+        self.hashes = [None] * self.num_blocks
+        return True

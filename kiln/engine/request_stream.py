@@ -27,6 +27,7 @@ class RequestStream:
     num_tokens: int = 0
     finished: bool = False
     prefill_tokens: int = 0  # prompt tokens x n until its first output, for max_num_queued_tokens
+    prompt_token_ids: list[int] = field(default_factory=list)
 
     @property
     def seqs(self) -> int:

@@ -167,6 +167,12 @@ class Scheduler:
             return []
         return drafts
 
+    def preempt_running(self) -> None:
+        """Every running request back to waiting, its KV dropped: they resume by recompute."""
+        for req in self.running:
+            self._preempt(req)
+        self.running.clear()
+
     def _preempt(self, req: Request) -> None:
         """Preemption by recompute: drop its KV; it resumes from the prefix cache or from scratch."""
         self.block_manager.free_request(req)
