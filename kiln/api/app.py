@@ -6,7 +6,6 @@ import asyncio
 import contextlib
 import functools
 import logging
-import secrets
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
@@ -20,6 +19,7 @@ from starlette.routing import Route
 
 from kiln.api.dev import DEV
 from kiln.api.errors import APIError, as_api_error
+from kiln.api.guard import authorize, read_body
 from kiln.api.inputs import Inputs
 from kiln.api.invocations import create_invocation
 from kiln.api.load import ServerLoad
@@ -216,34 +216,6 @@ class App:
             raise APIError(503, f"the engine has died: {self.engine.dead!r}")
         return self.engine, self.inputs
 
-    def _authorize(self, request: Request, anthropic: bool) -> None:
-        """anthropic: the key may come as Anthropic's SDKs send it, in x-api-key."""
-        keys = self.config.server.api_keys
-        if not keys:
-            return
-        scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        if anthropic and "x-api-key" in request.headers:
-            scheme, token = "bearer", request.headers["x-api-key"]
-        # Every key compared, so the time taken tells nothing of which one nearly matched.
-        matches = [secrets.compare_digest(token.encode(), key.encode()) for key in keys]
-        if scheme.lower() != "bearer" or not any(matches):
-            send = "'Authorization: Bearer <key>'" + (" or 'x-api-key: <key>'" if anthropic else "")
-            raise APIError(401, f"missing or invalid API key: send {send}")
-
-    async def _body(self, request: Request) -> bytes:
-        limit = self.config.server.max_request_bytes
-        too_large = APIError(413, f"request body is larger than the limit of {limit} bytes")
-        length = request.headers.get("content-length", "")
-        if length.isdigit() and int(length) > limit:
-            raise too_large
-        chunks, size = [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:
-                raise too_large
-            chunks.append(chunk)
-        return b"".join(chunks)
-
     def _check_model(self, body: Any) -> None:
         self.models.check(getattr(body, "model", None), self.engine)
 
@@ -263,9 +235,9 @@ class App:
         async def endpoint(request: Request) -> Response:
             try:
                 if guarded:
-                    self._authorize(request, anthropic)
+                    authorize(request, self.config.server.api_keys, anthropic)
                 engine, shared = self._ready()
-                data = await self._body(request) if kind is not None else b""
+                data = await read_body(request, self.config.server.max_request_bytes) if kind else b""
                 inputs = shared.for_body(len(data))
                 body = await inputs.parse(data, kind) if kind is not None else None
                 self._check_model(body)

@@ -11,13 +11,12 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from kiln.config import EngineConfig
 from kiln.engine.admission import Admission
-from kiln.engine.bad_words import BadWords
+from kiln.engine.commands import Abort, Add, Lora, ResetPrefixCache
 from kiln.engine.engine import LLMEngine
 from kiln.engine.metrics import Metrics
 from kiln.engine.pause import Pause, PauseMode, Pausing, Resuming
@@ -27,7 +26,7 @@ from kiln.engine.request_output import CompletionOutput, RequestOutput
 from kiln.engine.request_stream import RequestStream
 from kiln.engine.tokenizer import load_tokenizer
 from kiln.lora_request import LoRARequest
-from kiln.models.lora_adapter import Adapter, load_adapter
+from kiln.models.lora_adapter import load_adapter
 from kiln.pooling_params import PoolingParams
 from kiln.sampling_params import SamplingParams, StructuredOutputsParams
 
@@ -36,36 +35,6 @@ log = logging.getLogger(__name__)
 
 class EngineDeadError(RuntimeError):
     pass
-
-
-@dataclass(slots=True)
-class _Add:
-    request_id: str
-    prompt_ids: list[int]
-    params: SamplingParams | PoolingParams
-    priority: int
-    cache_salt: str | None
-    bad_words: BadWords  # the params' bad words, tokenized when they were checked on the event loop
-    lora: LoRARequest | None
-
-
-@dataclass(slots=True)
-class _Lora:
-    """Hand a checked adapter to the engine (adapter), or let it forget one (lora_int_id)."""
-
-    adapter: Adapter | None
-    lora_int_id: int = 0
-
-
-@dataclass(slots=True)
-class _Abort:
-    request_id: str
-
-
-@dataclass(slots=True)
-class _ResetPrefixCache:
-    reset_running_requests: bool
-    done: Callable[[bool], None]
 
 
 _STOP = object()
@@ -155,17 +124,17 @@ class AsyncEngine:
             raise
         stream.prefill_tokens = tokens
         self._streams[request_id] = stream
-        self._commands.put(_Add(request_id, prompt_ids, params, priority, cache_salt, bad_words, lora))
+        self._commands.put(Add(request_id, prompt_ids, params, priority, cache_salt, bad_words, lora))
         return stream
 
     async def add_lora(self, lora: LoRARequest) -> None:
         """Reads and checks an adapter off the event loop (ValueError, LoRA off too), then hands it to the
         engine."""
         adapter = await asyncio.to_thread(load_adapter, lora, self.engine.loras.model)
-        self._commands.put(_Lora(adapter))
+        self._commands.put(Lora(adapter))
 
     def remove_lora(self, lora_int_id: int) -> None:
-        self._commands.put(_Lora(None, lora_int_id))
+        self._commands.put(Lora(None, lora_int_id))
 
     def _untrack(self, request_id: str) -> RequestStream | None:
         stream = self._streams.pop(request_id, None)
@@ -185,7 +154,7 @@ class AsyncEngine:
     def abort(self, request_id: str) -> None:
         if self._untrack(request_id) is not None:
             self.metrics.finished("abort")
-            self._commands.put(_Abort(request_id))
+            self._commands.put(Abort(request_id))
 
     async def pause(self, mode: PauseMode, clear_cache: bool = True) -> None:
         """Returns once the pause holds (kiln.engine.pause); requests that come meanwhile wait for resume."""
@@ -209,7 +178,7 @@ class AsyncEngine:
 
     async def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
         """LLMEngine.reset_prefix_cache, between two steps."""
-        return await self._call(lambda done: _ResetPrefixCache(reset_running_requests, done))
+        return await self._call(lambda done: ResetPrefixCache(reset_running_requests, done))
 
     def _call(self, command: Callable[[Callable[[Any], None]], Any]) -> asyncio.Future[Any]:
         """Queues the command `command(done)` makes; the future is done when the engine thread calls done."""
@@ -266,11 +235,11 @@ class AsyncEngine:
                 return commands
 
     def _apply(self, engine: LLMEngine, command: Any) -> None:
-        if isinstance(command, _Abort):
+        if isinstance(command, Abort):
             engine.abort(command.request_id)
             self._pause.drop(command.request_id)
             return
-        if isinstance(command, _Lora):
+        if isinstance(command, Lora):
             engine.loras.keep(command.adapter) if command.adapter else engine.loras.drop(command.lora_int_id)
             return
         if isinstance(command, Pausing):
@@ -280,7 +249,7 @@ class AsyncEngine:
             for held in self._pause.resume():
                 self._apply(engine, held)
             return
-        if isinstance(command, _ResetPrefixCache):
+        if isinstance(command, ResetPrefixCache):
             command.done(engine.reset_prefix_cache(command.reset_running_requests))
             return
         if self._pause.hold(command):
@@ -304,50 +273,15 @@ class AsyncEngine:
             self._built.set_result(engine)  # type: ignore[arg-type]
 
     def _dispatch(self, outputs: list[RequestOutput], now: float) -> None:
-        m = self.metrics
         for out in outputs:
             stream = self._streams.get(out.request_id)
             if stream is None:  # aborted while the step ran
                 continue
             self._prefilled(stream)
-            new_tokens = sum(len(o.token_ids) for o in out.outputs)
-            if out.embedding is not None:
-                m.prompt_tokens.inc(len(out.prompt_token_ids))
-            if new_tokens:
-                if stream.num_tokens == 0:
-                    m.ttft.observe(now - stream.arrival)
-                    m.prompt_tokens.inc(len(out.prompt_token_ids))
-                    stream.first_token_at = now
-                else:
-                    m.itl.observe(now - stream.last_token_at)
-                m.generation_tokens.inc(new_tokens)
-                stream.num_tokens += new_tokens
-                stream.last_token_at = now
-            for o in out.outputs:
-                if o.finished:
-                    m.finished(o.finish_reason or "abort")
+            self.metrics.observe(stream, out, now)
             if out.finished:
                 self._untrack(out.request_id)
-                m.e2e.observe(now - stream.arrival)
-                self._observe_request(stream, out, now)
             stream.queue.put_nowait(out)
-
-    def _observe_request(self, stream: RequestStream, out: RequestOutput, now: float) -> None:
-        """A finished request's phases (the engine's clock is the loop's: time.monotonic) and sizes."""
-        m = self.metrics
-        if out.scheduled_at:  # (an abort may come before it was ever scheduled)
-            m.queue_time.observe(out.scheduled_at - stream.arrival)
-            m.inference_time.observe(now - out.scheduled_at)
-            if stream.first_token_at:
-                m.prefill_time.observe(stream.first_token_at - out.scheduled_at)
-                m.decode_time.observe(now - stream.first_token_at)
-        m.prompt_len.observe(len(out.prompt_token_ids))
-        m.output_len.observe(stream.num_tokens)
-        p = stream.params
-        if isinstance(p, SamplingParams):
-            m.n.observe(p.n)
-            if p.max_tokens is not None:
-                m.max_tokens.observe(p.max_tokens)
 
     def _fail(self, request_id: str, error: BaseException) -> None:
         stream = self._untrack(request_id)

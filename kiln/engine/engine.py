@@ -242,9 +242,8 @@ class LLMEngine:
                 child.finish_reason = "abort"
 
     def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
-        """vLLM's: forgets every cached prefix. False while running requests hold blocks, unless
-        reset_running_requests preempts them first (they resume by recompute), which waits for no step in
-        flight: then it is False too, and a caller may retry."""
+        """vLLM's: forgets every cached prefix; False while running requests hold blocks, unless asked to
+        preempt them (they recompute), which a step in flight defers (False: a caller may retry)."""
         if reset_running_requests and self.in_flight is None:
             self.scheduler.preempt_running()
         return self.block_manager.reset_prefix_cache()

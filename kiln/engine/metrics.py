@@ -13,7 +13,10 @@ from prometheus_client.registry import Collector
 
 from kiln.engine.grammar import COMPILE_BUCKETS
 from kiln.engine.queue_limits import REASONS
+from kiln.engine.request_output import RequestOutput
+from kiln.engine.request_stream import RequestStream
 from kiln.engine.speculative import DraftStats
+from kiln.sampling_params import SamplingParams
 
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1, 2.5, 5, 10, 20, 40, 80)
 ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1, 2.5, 5, 10, 20, 40)
@@ -152,6 +155,45 @@ class Metrics:
 
     def finished(self, reason: str) -> None:
         self._success.labels(self.model_name, reason).inc()
+
+    def observe(self, stream: RequestStream, out: RequestOutput, now: float) -> None:
+        """One output of a request, on the event loop (now: time.monotonic, the engine's clock too): its
+        tokens and their gaps, its finished sequences, and once it is done its phases and sizes."""
+        new_tokens = sum(len(o.token_ids) for o in out.outputs)
+        if out.embedding is not None:
+            self.prompt_tokens.inc(len(out.prompt_token_ids))
+        if new_tokens:
+            if stream.num_tokens == 0:
+                self.ttft.observe(now - stream.arrival)
+                self.prompt_tokens.inc(len(out.prompt_token_ids))
+                stream.first_token_at = now
+            else:
+                self.itl.observe(now - stream.last_token_at)
+            self.generation_tokens.inc(new_tokens)
+            stream.num_tokens += new_tokens
+            stream.last_token_at = now
+        for o in out.outputs:
+            if o.finished:
+                self.finished(o.finish_reason or "abort")
+        if out.finished:
+            self.e2e.observe(now - stream.arrival)
+            self._request(stream, out, now)
+
+    def _request(self, stream: RequestStream, out: RequestOutput, now: float) -> None:
+        """A finished request's phases and sizes."""
+        if out.scheduled_at:  # (an abort may come before it was ever scheduled)
+            self.queue_time.observe(out.scheduled_at - stream.arrival)
+            self.inference_time.observe(now - out.scheduled_at)
+            if stream.first_token_at:
+                self.prefill_time.observe(stream.first_token_at - out.scheduled_at)
+                self.decode_time.observe(now - stream.first_token_at)
+        self.prompt_len.observe(len(out.prompt_token_ids))
+        self.output_len.observe(stream.num_tokens)
+        p = stream.params
+        if isinstance(p, SamplingParams):
+            self.n.observe(p.n)
+            if p.max_tokens is not None:
+                self.max_tokens.observe(p.max_tokens)
 
     def token_totals(self) -> tuple[float, float]:
         """Prompt and generated tokens so far."""
