@@ -32,7 +32,7 @@ class Resuming:
 class Pause:
     mode: PauseMode | None = None
     held: list[Any] = field(default_factory=list)  # the requests that came while paused, in order
-    waiting: Pausing | None = None  # a pause not holding yet
+    waiting: list[Pausing] = field(default_factory=list)  # pauses not holding yet (the last one's mode rules)
 
     @property
     def frozen(self) -> bool:
@@ -48,22 +48,25 @@ class Pause:
         self.held = [a for a in self.held if a.request_id != request_id]
 
     def start(self, pausing: Pausing, engine: LLMEngine) -> None:
-        self.mode, self.waiting = pausing.mode, pausing
+        self.mode = pausing.mode
+        self.waiting.append(pausing)
         self.settle(engine)
 
     def settle(self, engine: LLMEngine) -> None:
         """Called after every step: a pause holds once only frozen requests are left."""
-        p = self.waiting
-        if p is None or (p.mode != "keep" and engine.has_unfinished()):
+        if not self.waiting or (self.mode != "keep" and engine.has_unfinished()):
             return
-        if p.clear_cache and p.mode != "keep":
+        if self.mode != "keep" and any(p.clear_cache for p in self.waiting):
             engine.reset_prefix_cache()
-        self.waiting = None
-        p.done()
+        self._done()
 
     def resume(self) -> list[Any]:
         """The held requests, to be added now; a pause still waiting for its requests returns too."""
-        if self.waiting is not None:
-            self.waiting.done()
-        held, self.held, self.mode, self.waiting = self.held, [], None, None
+        self._done()
+        held, self.held, self.mode = self.held, [], None
         return held
+
+    def _done(self) -> None:
+        for p in self.waiting:
+            p.done()
+        self.waiting = []

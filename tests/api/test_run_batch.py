@@ -19,6 +19,7 @@ import httpx
 import pytest
 import yaml
 
+from kiln.cli import main
 from tests.api.server import Server, free_port, post
 from tests.conftest import SERVE_CONFIG
 
@@ -116,18 +117,28 @@ def test_a_batch_gives_each_line_the_servers_reply(server: Server, store: str, t
         ("\n\n", "holds no requests"),
     ],
 )  # fmt: skip
-def test_input_that_cannot_run_is_a_cli_error(tmp_path: Path, text: str, says: str) -> None:
+def test_input_that_cannot_run_is_a_cli_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture, text: str, says: str
+) -> None:
     source = tmp_path / "in.jsonl"
     source.write_text(text)
-    done = run_batch(tmp_path, "-i", str(source), "-o", str(tmp_path / "out.jsonl"))
-    assert done.returncode == 1 and f"kiln run-batch: error: {source}" in done.stderr and says in done.stderr
+    code, err = run_batch_here(tmp_path, capsys, "-i", str(source), "-o", str(tmp_path / "out.jsonl"))
+    assert code == 1 and f"kiln run-batch: error: {source}" in err and says in err
     assert not (tmp_path / "out.jsonl").exists()
 
 
-def test_missing_input_is_named(tmp_path: Path, store: str) -> None:
+def test_missing_input_is_named(tmp_path: Path, capsys: pytest.CaptureFixture, store: str) -> None:
     for source, says in ((str(tmp_path / "none.jsonl"), "cannot read"), (f"{store}/none.jsonl", "HTTP 404")):
-        done = run_batch(tmp_path, "-i", source, "-o", str(tmp_path / "out.jsonl"))
-        assert done.returncode == 1 and says in done.stderr and source in done.stderr
+        code, err = run_batch_here(tmp_path, capsys, "-i", source, "-o", str(tmp_path / "out.jsonl"))
+        assert code == 1 and says in err and source in err
+
+
+def run_batch_here(tmp: Path, capsys: pytest.CaptureFixture, *args: str) -> tuple[int, str]:
+    """kiln run-batch in this process (for input refused before anything loads): its status and stderr."""
+    config = tmp / "serve.yaml"
+    config.write_text(yaml.safe_dump(SERVE_CONFIG))
+    code = main(["run-batch", "--config", str(config), *args])
+    return code, capsys.readouterr().err
 
 
 def test_metrics_while_a_batch_runs(tmp_path: Path) -> None:
