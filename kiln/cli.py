@@ -139,7 +139,7 @@ def cmd_warmup(args: argparse.Namespace) -> int:
     if args.import_file is not None:
         config.compile.cache_file = str(args.import_file)
     from kiln.compile.cache import CacheError
-    from kiln.compile.lowering import compile_counters
+    from kiln.compile.reports import compile_counters
     from kiln.engine.engine import LLMEngine
 
     try:

@@ -34,10 +34,13 @@ CLEARED = "[tool result cleared]"
 
 async def apply_edits(
     body: Body, count: Callable[[Body], Awaitable[int]]
-) -> tuple[Body, list[Applied], int, int]:
+) -> tuple[Body, list[Applied], int | None, int | None]:
     """The body with its edits applied, what each cleared, and the prompt's tokens before and after them.
-    count: a body's prompt tokens, as rendered."""
-    tokens = before = await count(body)
+    count: a body's prompt tokens, as rendered, called only where an edit needs it (Claude Code sends
+    clear_thinking keep "all", which needs none): both are None where nothing counted them, and then
+    nothing was cleared."""
+    tokens: int | None = None  # the body's as it stands, once counted
+    before: int | None = None
     applied: list[Applied] = []
     assert body.context_management is not None
     for edit in body.context_management.edits:
@@ -48,9 +51,15 @@ async def apply_edits(
                 raise APIError(400, message, "context_management")
             edited, turns = _clear_thinking(body, edit)
         else:
+            if tokens is None and isinstance(edit.trigger, InputTokens):
+                tokens = await count(body)
             edited, turns = _clear_tool_uses(body, edit, tokens)
         if not turns:
             continue
+        if tokens is None:
+            tokens = await count(body)
+        if before is None:  # nothing cleared yet: the body's count is the original's
+            before = tokens
         after = await count(edited)
         if isinstance(edit, ClearThinking):
             applied.append(ClearedThinking(turns, tokens - after))
@@ -59,7 +68,7 @@ async def apply_edits(
         else:
             applied.append(ClearedToolUses(turns, tokens - after))
         body, tokens = edited, after
-    return body, applied, before, tokens
+    return body, applied, tokens if before is None else before, tokens
 
 
 def _clear_thinking(body: Body, edit: ClearThinking) -> tuple[Body, int]:
@@ -80,7 +89,7 @@ def _clear_thinking(body: Body, edit: ClearThinking) -> tuple[Body, int]:
     return msgspec.structs.replace(body, messages=messages), cleared
 
 
-def _clear_tool_uses(body: Body, edit: ClearToolUses, tokens: int) -> tuple[Body, int]:
+def _clear_tool_uses(body: Body, edit: ClearToolUses, tokens: int | None) -> tuple[Body, int]:
     """Once triggered, each tool use but the last `keep` (and those of `exclude_tools`): its result as
     CLEARED, and its input emptied where `clear_tool_inputs` says; how many uses were cleared."""
     uses = [
@@ -90,7 +99,7 @@ def _clear_tool_uses(body: Body, edit: ClearToolUses, tokens: int) -> tuple[Body
         for b in m.content
         if isinstance(b, ToolUseBlock)
     ]
-    over = tokens if isinstance(edit.trigger, InputTokens) else len(uses)
+    over = (tokens or 0) if isinstance(edit.trigger, InputTokens) else len(uses)
     if over <= edit.trigger.value:
         return body, 0
     spared = set(edit.exclude_tools or ())

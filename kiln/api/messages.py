@@ -75,11 +75,12 @@ async def count_tokens(
     """The prompt's tokens, as /v1/messages would render it, after its context edits (and before them)."""
     generating(engine, "Messages")
     count = functools.partial(_count, inputs, inputs.template_traits())
-    if body.context_management is None:
-        before = after = await count(body)
-    else:
+    before = after = None
+    if body.context_management is not None:
         _, _, before, after = await apply_edits(body, count)
-    return CountTokensResponse(after, {"original_input_tokens": before})
+    if after is None:  # no edit counted the prompt
+        before = after = await count(body)
+    return CountTokensResponse(after, {"original_input_tokens": before or after})
 
 
 async def _count(inputs: Inputs, traits: TemplateTraits, body: MessagesRequest | CountTokensRequest) -> int:

@@ -44,29 +44,28 @@ def template_traits(tokenizer: Any, server: ServerConfig) -> TemplateTraits:
 def _disabled_effort(tokenizer: Any, server: ServerConfig) -> str:
     """vLLM's "auto": "none" where the template renders it apart from every thinking effort, else "low"
     (a model that always thinks, or refuses "none")."""
-    none = _render(tokenizer, server, "none")
-    if none is None or any(_render(tokenizer, server, e) == none for e in get_args(Effort)):
+    hi = [ChatMessage(role="user", content="Hi")]
+    none = _render(tokenizer, server, hi, None, reasoning_effort="none")
+    if none is None or any(
+        _render(tokenizer, server, hi, None, reasoning_effort=e) == none for e in get_args(Effort)
+    ):
         return "low"
     return "none"
 
 
-def _render(tokenizer: Any, server: ServerConfig, effort: Any) -> list[int] | None:
-    body = ChatCompletionRequest(
-        messages=[ChatMessage(role="user", content="Hi")],
-        reasoning_effort=effort,
-        chat_template_kwargs=server.default_chat_template_kwargs,
-    )
-    try:
-        return render_messages(tokenizer, body.messages, body, None, server.chat_template_content_format)
-    except APIError:
-        return None
-
-
 def _refuses_inline_system(tokenizer: Any, server: ServerConfig, tools: list | None) -> bool:
     messages = [ChatMessage(role=role, content="t") for role in ("system", "user", "system", "user")]
-    body = ChatCompletionRequest(messages=messages, add_generation_prompt=False)
+    return _render(tokenizer, server, messages, tools, add_generation_prompt=False) is None
+
+
+def _render(
+    tokenizer: Any, server: ServerConfig, messages: list[ChatMessage], tools: list | None, **fields: Any
+) -> list[int] | None:
+    """The probe's prompt, as a chat request with these fields renders it; None where the template refuses."""
+    body = ChatCompletionRequest(
+        messages=messages, chat_template_kwargs=server.default_chat_template_kwargs, **fields
+    )
     try:
-        render_messages(tokenizer, messages, body, tools, server.chat_template_content_format)
+        return render_messages(tokenizer, messages, body, tools, server.chat_template_content_format)
     except APIError:
-        return True
-    return False
+        return None

@@ -26,7 +26,6 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch._dynamo.utils import counters
 from tqdm import tqdm
 
 from kiln.compile.buckets import Bucket, BucketPlan
@@ -35,25 +34,12 @@ from kiln.compile.cache import CompileCache, environment
 from kiln.compile.cudagraph import CudaGraphs
 from kiln.compile.groups import LayerGroups, group_size, kind_suffixes
 from kiln.compile.precompiled import GraphStep, compile_layers, graph_class
+from kiln.compile.reports import BucketReport, compile_counters
 from kiln.models.decoder import DecoderModel, run_layers
 from kiln.ops.backend import Backend
 from kiln.platform import configure_torch, describe, has_cxx
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(slots=True)
-class BucketReport:
-    bucket: str
-    covers: str  # the step sizes that run this bucket's graph
-    seconds: float
-    # "compiled" (traced, and compiled by Inductor), "cache" (traced, Inductor's code from its cache),
-    # "precompiled" (loaded from the compile cache entry: nothing traced), "shared" (an earlier bucket's
-    # graph) or "eager"
-    source: str
-
-    def as_dict(self) -> dict[str, str | float]:
-        return {"bucket": self.bucket, "covers": self.covers, "seconds": self.seconds, "source": self.source}
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,20 +48,6 @@ class PaddedStep:
     num_reqs: int
     width: int  # block-table columns
     graph: bool  # replays (or captures) a CUDA graph of batch num_reqs
-
-
-def compile_counters() -> dict[str, int]:
-    """torch's own counters for this process: frames dynamo converted and graphs it produced, Inductor's
-    FX-graph cache and AOTAutograd's. Unchanged across a workload means nothing was compiled during it."""
-    inductor, aot = counters["inductor"], counters["aot_autograd"]
-    return {
-        "dynamo_frames": counters["frames"]["total"],
-        "dynamo_graphs": counters["stats"]["unique_graphs"],
-        "fxgraph_cache_miss": inductor["fxgraph_cache_miss"],
-        "fxgraph_cache_hit": inductor["fxgraph_cache_hit"],
-        "autograd_cache_miss": aot["autograd_cache_miss"],
-        "autograd_cache_hit": aot["autograd_cache_hit"],
-    }
 
 
 class Lowering:

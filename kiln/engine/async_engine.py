@@ -22,7 +22,7 @@ from kiln.engine.metrics import Metrics
 from kiln.engine.pause import Pause, PauseMode, Pausing, Resuming
 from kiln.engine.pooler import Pooler
 from kiln.engine.queue_limits import Overloaded, QueueLimits
-from kiln.engine.request_output import CompletionOutput, RequestOutput
+from kiln.engine.request_output import RequestOutput
 from kiln.engine.request_stream import RequestStream
 from kiln.engine.tokenizer import load_tokenizer
 from kiln.lora_request import LoRARequest
@@ -162,13 +162,7 @@ class AsyncEngine:
             for request_id, stream in list(self._streams.items()):
                 if isinstance(stream.params, SamplingParams):
                     self.abort(request_id)
-                    logprobs = None if stream.params.logprobs is None else []
-                    ends = [
-                        CompletionOutput(i, "", [], None, logprobs, "abort", None) for i in range(stream.seqs)
-                    ]
-                    stream.queue.put_nowait(
-                        RequestOutput(request_id, None, stream.prompt_token_ids, None, ends, True)
-                    )
+                    stream.queue.put_nowait(stream.aborted())
         self.paused = True
         await self._call(lambda done: Pausing(mode, clear_cache, lambda: done(None)))
 

@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from kiln.compile.buckets import Bucket
-from kiln.compile.lowering import BucketReport
+from kiln.compile.reports import BucketReport
 from kiln.engine.runner import ModelRunner
 from kiln.ops.sampler import Sampler
 from kiln.ops.sampling_metadata import Penalties, SamplingMetadata

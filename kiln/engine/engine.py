@@ -13,7 +13,7 @@ import torch
 
 from kiln.compile.buckets import BucketPlan
 from kiln.compile.cache import CompileCache, import_builds, point_caches
-from kiln.compile.lowering import BucketReport
+from kiln.compile.reports import BucketReport
 from kiln.config import EngineConfig
 from kiln.engine.admission import Admission
 from kiln.engine.bad_words import BadWords
@@ -93,18 +93,11 @@ class LLMEngine:
         )
         kernels = self.backend.layer_kernels(device, dtype)
         built = time.perf_counter() - start
-        dummy = config.model.load_format == "dummy"
-        lo = config.lora
+        m, lo = config.model, config.lora
         lora = LoraDims(lo.max_loras, lo.max_lora_rank, DTYPES.get(lo.lora_dtype)) if lo.enable_lora else None
+        dummy = m.load_format == "dummy"
         self.model = load_model(
-            path,
-            config.model.dtype,
-            device,
-            kernels,
-            attention,
-            dummy=dummy,
-            hf_overrides=config.model.hf_overrides,
-            lora=lora,
+            path, m.dtype, device, kernels, attention, dummy=dummy, hf_overrides=m.hf_overrides, lora=lora
         )
         self.timings = {"kernels": built, "weights": time.perf_counter() - clock - built}
         clock = time.perf_counter()
@@ -114,12 +107,6 @@ class LLMEngine:
         self.model_path = path
         self.eos_token_ids = eos_token_ids(self.tokenizer, path)
         self.sampling_defaults = sampling_defaults(config, path)
-        if self.sampling_defaults:
-            log.info(
-                "requests that leave them unset get the model's recommended sampling (its generation "
-                "config): %s; --generation-config vllm turns this off",
-                self.sampling_defaults,
-            )
         compact = config.model.structured_outputs_config.disable_any_whitespace
         self.grammars = Grammars(
             lambda: load_tokenizer(config, path), dims.vocab_size, self.eos_token_ids, compact

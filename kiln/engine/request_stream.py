@@ -7,7 +7,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from kiln.engine.request_output import RequestOutput, merge
+from kiln.engine.request_output import CompletionOutput, RequestOutput, merge
 from kiln.pooling_params import PoolingParams
 from kiln.sampling_params import SamplingParams
 
@@ -50,6 +50,12 @@ class RequestStream:
         out = merge(items)  # type: ignore[arg-type]
         self.finished = out.finished
         return out
+
+    def aborted(self) -> RequestOutput:
+        """Its last output when the server aborts it (vLLM's pause): each sequence ends with "abort"."""
+        logprobs = None if isinstance(self.params, PoolingParams) or self.params.logprobs is None else []
+        ends = [CompletionOutput(i, "", [], None, logprobs, "abort", None) for i in range(self.seqs)]
+        return RequestOutput(self.request_id, None, self.prompt_token_ids, None, ends, True)
 
     def close(self) -> None:
         if not self.finished:

@@ -3,12 +3,15 @@ defaults the model's generation config recommends."""
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any
 
 from transformers import AutoTokenizer, GenerationConfig
 
 from kiln.config import EngineConfig
+
+log = logging.getLogger(__name__)
 
 
 def load_tokenizer(config: EngineConfig, model_path: Path) -> Any:
@@ -59,6 +62,12 @@ def sampling_defaults(config: EngineConfig, model_path: Path) -> dict[str, Any]:
     defaults = {k: v for k in SAMPLING_FIELDS if (v := values.get(k)) is not None and v != _NEUTRAL.get(k)}
     if "max_new_tokens" in defaults:
         defaults["max_tokens"] = defaults.pop("max_new_tokens")
+    if defaults:
+        log.info(
+            "requests that leave them unset get the model's recommended sampling (its generation config): "
+            "%s; --generation-config vllm turns this off",
+            defaults,
+        )
     return defaults
 
 

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 from kiln import LLM, SamplingParams
-from kiln.compile.lowering import compile_counters
+from kiln.compile.reports import compile_counters
 
 
 def main() -> None:

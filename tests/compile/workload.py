@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from kiln import LLM, SamplingParams
-from kiln.compile.lowering import compile_counters
+from kiln.compile.reports import compile_counters
 from kiln.engine.dummy_steps import DummySteps
 from kiln.ops.sampling_metadata import SamplingMetadata
 

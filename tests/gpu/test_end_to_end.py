@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from kiln import LLM, SamplingParams
-from kiln.compile.lowering import compile_counters
+from kiln.compile.reports import compile_counters
 from kiln.engine.request_output import CompletionOutput
 from tests.models.test_architectures import PROMPTS
 from tests.models.tiny import CONFIGS, build

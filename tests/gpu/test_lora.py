@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from kiln import LLM, LoRARequest, SamplingParams
-from kiln.compile.lowering import compile_counters
+from kiln.compile.reports import compile_counters
 from tests.gpu.test_end_to_end import GPU_OPTIONS, assert_greedy_agrees
 from tests.models.lora_adapters import save_adapter
 from tests.models.test_architectures import PROMPTS
