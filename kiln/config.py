@@ -12,6 +12,8 @@ from kiln.speculative_config import SpeculativeConfig
 
 MaxLoraRank = Literal[1, 8, 16, 32, 64, 128, 256, 320, 512]  # vLLM's choices
 LogprobsMode = Literal["raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits"]
+# vLLM's --kv-cache-dtype names kiln stores: auto is the model's dtype; fp8 is e4m3, as on CUDA.
+KvCacheDtype = Literal["auto", "float16", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2"]
 
 
 class PoolerConfig(Section):
@@ -83,6 +85,10 @@ class CacheConfig(Section):
     gpu_memory_utilization: Annotated[float, Meta(gt=0, le=1)] | None = None
     # vLLM's: exactly this many KV blocks, whatever the memory settings say (for testing preemption).
     num_gpu_blocks_override: Annotated[int, Meta(ge=1)] | None = None
+    # What the cache stores K and V as. fp8 halves a 16-bit cache (a quarter of a float32 one), so it holds
+    # twice the tokens; K and V are stored with a scale of 1.0 (vLLM's where a checkpoint gives none),
+    # saturating, and read back widened.
+    kv_cache_dtype: KvCacheDtype = "auto"
 
     def on(self, device_type: str) -> CacheConfig:
         """This section with its block size decided for the device."""

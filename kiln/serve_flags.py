@@ -6,7 +6,7 @@ import argparse
 import json
 from typing import get_args
 
-from kiln.config import MaxLoraRank
+from kiln.config import KvCacheDtype, MaxLoraRank
 
 
 def human_readable_int(text: str) -> int:
@@ -99,6 +99,7 @@ SERVE_FLAGS: dict[str, tuple[str, str, dict]] = {
         {"type": gib, "metavar": "BYTES", "help": "e.g. 4G"},
     ),
     "--num-gpu-blocks-override": ("cache", "num_gpu_blocks_override", {"type": int}),
+    "--kv-cache-dtype": ("cache", "kv_cache_dtype", {"choices": list(get_args(KvCacheDtype))}),
     "--dtype": ("model", "dtype", {"choices": ["auto", "float32", "bfloat16", "float16"]}),
     "--device": ("model", "device", {}),
     "--seed": ("model", "seed", {"type": int}),

@@ -41,19 +41,22 @@ from kiln.ops.flashinfer_modules import kernel_specs, prefill_backend  # noqa: E
 logging.basicConfig(level=logging.INFO)
 # gpu_bench's models, bfloat16 at head dim 128: the Llama-3-8B shape decodes on tensor cores (4 query heads
 # a KV head), the Qwen3-0.6B shape (2) on CUDA cores.
-combos = [(128, False, tc, torch.bfloat16) for tc in (False, True)]
+combos = [(128, False, tc, torch.bfloat16, torch.bfloat16) for tc in (False, True)]
 if not args.bench:
-    combos += [(hd, w, False, torch.bfloat16) for hd, w in itertools.product((128, 64), (False, True))]
+    bf16 = torch.bfloat16
+    combos += [(hd, w, False, bf16, bf16) for hd, w in itertools.product((128, 64), (False, True))]
     # float16: `dtype: auto` on a float32 folder, as test_serve's tiny model is (vLLM's choice too).
-    combos.append((128, False, False, torch.float16))
+    combos.append((128, False, False, torch.float16, torch.float16))
+    # --kv-cache-dtype fp8 (tests/gpu/test_kv_cache_dtype.py): FA2 prefill, on either decode.
+    combos += [(128, False, tc, bf16, torch.float8_e4m3fn) for tc in (False, True)]
 specs = {}
-for hd, window, tc, dtype in combos:
-    # FlashInfer's `auto`: FA3 on Hopper (sm_90a), FA2 elsewhere.
+for hd, window, tc, dtype, kv_dtype in combos:
+    # FlashInfer's `auto`: FA3 on Hopper (sm_90a) but for an fp8 cache, FA2 elsewhere.
     if args.aot:
-        prefill = "fa3" if args.aot.startswith("9.0") else "fa2"
+        prefill = "fa3" if args.aot.startswith("9.0") and kv_dtype == dtype else "fa2"
     else:
-        prefill = prefill_backend(dtype, torch.device("cuda"))
-    for spec in kernel_specs(hd, dtype, prefill, window, tc):
+        prefill = prefill_backend(dtype, kv_dtype, torch.device("cuda"))
+    for spec in kernel_specs(hd, dtype, kv_dtype, prefill, window, tc):
         specs[spec.name] = spec
 aot_arch = jit_env.FLASHINFER_AOT_DIR / "arch"  # what --aot built for
 if args.check:

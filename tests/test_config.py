@@ -46,6 +46,7 @@ def test_flags_override_the_file(tmp_path: Path) -> None:
         ),
         ("- 1\n", "expected a mapping of sections, got list"),
         ("model: {\n", "not valid YAML"),
+        ("cache:\n  kv_cache_dtype: int8\n", "key 'cache.kv_cache_dtype': Invalid enum value 'int8'"),
     ],
 )
 def test_bad_file_names_key_and_file(tmp_path: Path, text: str, message: str) -> None:
@@ -74,6 +75,7 @@ def test_missing_file() -> None:
         ),
         (["--enable-auto-tool-choice"], "server.enable_auto_tool_choice needs server.tool_call_parser"),
         (["--tool-call-parser", "nope"], "invalid choice: 'nope'"),
+        (["--kv-cache-dtype", "fp8_inc"], "argument --kv-cache-dtype: invalid choice: 'fp8_inc'"),
         (
             ["--chat-template", "no/such/template.jinja"],
             "model.chat_template: 'no/such/template.jinja' is neither",

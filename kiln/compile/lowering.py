@@ -193,7 +193,7 @@ class Lowering:
         # A decode larger than every CUDA graph runs its class's graph without one (its token dim is dynamic).
         return self.forward(graph, *args)
 
-    def cache_parts(self, block_size: int) -> dict[str, Any]:
+    def cache_parts(self, block_size: int, kv_dtype: torch.dtype) -> dict[str, Any]:
         """Everything the compiled graphs depend on: a change to any part is a different cache entry."""
         m = self.model
         return {
@@ -210,18 +210,24 @@ class Lowering:
                 "decode_sizes": self.plan.decode_sizes,
                 "token_sizes": self.plan.token_sizes,
                 "block_size": block_size,
+                "kv_cache_dtype": str(kv_dtype),
                 "lora": None if m.lora is None else [m.lora.max_loras, m.lora.max_rank],
             },
         }
 
     def warmup(
-        self, run: Callable[[Bucket], None], block_size: int, progress: bool, cache_file: Path | None = None
+        self,
+        run: Callable[[Bucket], None],
+        block_size: int,
+        kv_dtype: torch.dtype,
+        progress: bool,
+        cache_file: Path | None = None,
     ) -> list[BucketReport]:
         """Builds every graph before the first request, through the compile cache: a complete entry is
         loaded first, its precompiled graph classes into steps, and Inductor's code into its caches; a
         missing or corrupt one is (re)built and saved. The per-key lock makes concurrent warmups of one key
         take turns. `run` runs one step of a bucket's shape."""
-        cache = self.compile_cache = CompileCache(self.cache_parts(block_size))
+        cache = self.compile_cache = CompileCache(self.cache_parts(block_size, kv_dtype))
         if cache_file is not None:
             cache.import_file(cache_file)
         with cache.lock():

@@ -36,7 +36,9 @@ class DummySteps:
         runner, clock = self.runner, time.perf_counter()
         cuda = runner.device.type == "cuda"
         reserved = torch.cuda.memory_reserved(runner.device) / 2**30 if cuda else 0.0
-        reports = runner.lowering.warmup(self.warm_step, runner.block_size, progress, cache_file)
+        reports = runner.lowering.warmup(
+            self.warm_step, runner.block_size, runner.kv_dtype, progress, cache_file
+        )
         graphs = runner.lowering.graphs
         capture = graphs.seconds if graphs is not None else 0.0
         timings = {"compile": time.perf_counter() - clock - capture}

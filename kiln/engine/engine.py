@@ -11,13 +11,13 @@ from typing import Any
 import msgspec
 import torch
 
-from kiln.compile.buckets import BucketPlan
-from kiln.compile.cache import CompileCache, import_builds, point_caches
+from kiln.compile.cache import CompileCache, point_caches
 from kiln.compile.reports import BucketReport
 from kiln.config import EngineConfig
 from kiln.engine.admission import Admission
 from kiln.engine.bad_words import BadWords
 from kiln.engine.block_manager import BlockManager
+from kiln.engine.build import build_model
 from kiln.engine.dummy_steps import DummySteps
 from kiln.engine.grammar import Grammars
 from kiln.engine.lora_slots import LoraSlots
@@ -32,11 +32,9 @@ from kiln.engine.step_result import StepResult
 from kiln.engine.thinking import ThinkTags
 from kiln.engine.tokenizer import eos_token_ids, load_tokenizer, sampling_defaults
 from kiln.lora_request import LoRARequest
-from kiln.models.loader import DTYPES, inspect_model, load_model, resolve_model
+from kiln.models.loader import inspect_model, resolve_model
 from kiln.models.registry import headless
-from kiln.ops.backend import choose_backend
 from kiln.ops.cpu import threads
-from kiln.ops.lora import LoraDims
 from kiln.paths import cache_root
 from kiln.platform import resolve_device
 from kiln.pooling_params import PoolingParams
@@ -79,27 +77,9 @@ class LLMEngine:
             scheduler = config.scheduler.on(device.type, max_model_len=self.max_model_len)
         config = msgspec.structs.replace(config, scheduler=scheduler)
         self.config = config
-        # The kernels' part: choosing the backend loads kiln_cpu (built on first use), making the attention
-        # builds FlashInfer's modules (or finds them built, in the cache root or an imported export).
-        start = time.perf_counter()
-        if config.compile.cache_file is not None:
-            import_builds(Path(config.compile.cache_file), cache_root())
-        self.backend = choose_backend(
-            b.kernels, b.attention, b.sampler, device, dims.head_dim, dtype, b.deterministic
-        )
-        max_graph_batch = BucketPlan.from_config(config).decode_sizes[-1]
-        attention = self.backend.make_attention(
-            dims, config.cache.block_size, self.max_model_len, max_graph_batch, dtype, device
-        )
-        kernels = self.backend.layer_kernels(device, dtype)
-        built = time.perf_counter() - start
-        m, lo = config.model, config.lora
-        lora = LoraDims(lo.max_loras, lo.max_lora_rank, DTYPES.get(lo.lora_dtype)) if lo.enable_lora else None
-        dummy = m.load_format == "dummy"
-        self.model = load_model(
-            path, m.dtype, device, kernels, attention, dummy=dummy, hf_overrides=m.hf_overrides, lora=lora
-        )
-        self.timings = {"kernels": built, "weights": time.perf_counter() - clock - built}
+        built = build_model(config, path, device, dims, dtype, self.max_model_len)
+        self.backend, self.model = built.backend, built.model
+        self.timings = {"kernels": built.kernels_s, "weights": time.perf_counter() - clock - built.kernels_s}
         clock = time.perf_counter()
         self.tokenizer = load_tokenizer(config, path)
         self.timings["tokenizer"] = time.perf_counter() - clock
@@ -113,8 +93,9 @@ class LLMEngine:
         )
         self.pooler = resolve_pooler(config.model, path, dims.hidden_size, headless(spec), self.model.score)
         self.runner = ModelRunner(
-            self.model, config, self.max_model_len, self.backend, self.grammars, self.pooler is not None
-        )
+            self.model, config, self.max_model_len, self.backend, self.grammars, self.pooler is not None,
+            built.kv_dtype,
+        )  # fmt: skip
         parser = config.model.reasoning_parser
         self.admission = Admission(
             self.tokenizer,
@@ -138,19 +119,21 @@ class LLMEngine:
         chunk = sched.prefill_chunk(device.type, self.backend.tiles(dtype))
         speculative = sched.speculative_config
         drafter = None if speculative is None else Drafter(speculative)
-        self.scheduler = Scheduler(sched, self.block_manager, chunk, lora and lora.max_loras, drafter)
+        loras = config.lora.max_loras if config.lora.enable_lora else None
+        self.scheduler = Scheduler(sched, self.block_manager, chunk, loras, drafter)
         self.async_scheduling = sched.use_async(device.type)
         self.in_flight: StepResult | None = None  # the launched step whose outputs are not yet processed
         self.drafts = drafter and drafter.stats  # speculative decoding's counters
         self.output = OutputProcessor(self.tokenizer, self.eos_token_ids, self.scheduler.finish, self.drafts)
         self.timings["KV cache"] = time.perf_counter() - clock
         log.info(
-            "engine ready: %s (%s), %d KV blocks of %d tokens, max_model_len %d; kernels %s, attention %s, "
-            "sampler %s; async scheduling %s; speculative decoding %s",
+            "engine ready: %s (%s), %d KV blocks of %d tokens (%s), max_model_len %d; kernels %s, "
+            "attention %s, sampler %s; async scheduling %s; speculative decoding %s",
             self.model.spec.name,
             self.model.embed.weight.dtype,
             num_blocks,
             config.cache.block_size,
+            str(built.kv_dtype).removeprefix("torch."),
             self.max_model_len,
             self.backend.kernels,
             self.backend.attention,

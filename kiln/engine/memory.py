@@ -110,7 +110,7 @@ def kv_cache_blocks(
 ) -> int:
     """The number of KV blocks the block manager hands out (the runner allocates one more, for padding)."""
     c = config.cache
-    block_bytes = kv_block_bytes(runner.model, c.block_size, runner.dtype)
+    block_bytes = kv_block_bytes(runner.model, c.block_size, runner.kv_dtype)
     if c.kv_cache_gib is not None or runner.device.type != "cuda":
         if c.gpu_memory_utilization is not None:
             why = "cache.kv_cache_gib is set" if c.kv_cache_gib is not None else "the device is not a GPU"

@@ -41,11 +41,13 @@ class ModelRunner:
         backend: Backend = TORCH_BACKEND,
         grammars: Grammars | None = None,
         pools: bool = False,
+        kv_dtype: torch.dtype | None = None,
     ) -> None:
         """The model comes built with the backend's kernels and attention; the KV cache comes later
         (allocate_kv): on a GPU it is sized by profiling this runner's steps. grammars: where the
         constrained rows' token bitmasks come from. pools: its requests are for embeddings (runner
-        pooling), made from the hidden states; nothing is sampled."""
+        pooling), made from the hidden states; nothing is sampled. kv_dtype: what the cache stores
+        (None: the model's dtype); the attention was made for it."""
         self.model = model
         self.pools = pools
         self.grammars = grammars
@@ -53,6 +55,7 @@ class ModelRunner:
         if self.device.type == "cpu":
             keep_freed_memory()
         self.dtype = model.embed.weight.dtype
+        self.kv_dtype = kv_dtype or self.dtype
         self.block_size = config.cache.block_size
         self.max_model_len = max_model_len
         self.kv_caches: list[torch.Tensor] = []
@@ -80,7 +83,7 @@ class ModelRunner:
         self.kv_caches = []  # the old cache is freed before the new one is made
         shape = (num_blocks + 1, 2, self.block_size, d.num_kv_heads, d.head_dim)
         self.kv_caches = [
-            torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(d.num_layers)
+            torch.zeros(shape, dtype=self.kv_dtype, device=self.device) for _ in range(d.num_layers)
         ]
         self.buf.padding_block = num_blocks
 

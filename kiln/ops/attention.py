@@ -8,6 +8,29 @@ from typing import ClassVar, Protocol
 import numpy as np
 import torch
 
+# cache.kv_cache_dtype's names (config.KvCacheDtype) but auto: fp8 is e4m3, as on CUDA.
+KV_CACHE_DTYPES: dict[str, torch.dtype] = {
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "fp8": torch.float8_e4m3fn,
+    "fp8_e4m3": torch.float8_e4m3fn,
+    "fp8_e5m2": torch.float8_e5m2,
+}
+
+
+def kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
+    """cache.kv_cache_dtype's torch dtype ("auto": the model's)."""
+    return model_dtype if name == "auto" else KV_CACHE_DTYPES[name]
+
+
+def to_cache(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x rounded to the cache's dtype. An fp8 cache stores x / 1.0 (vLLM's scale where a checkpoint gives
+    none) and saturates at its largest finite value, as vLLM's writers do: e4m3 has no infinity."""
+    if dtype.itemsize == 1:
+        limit = torch.finfo(dtype).max
+        x = x.clamp(-limit, limit)
+    return x.to(dtype)
+
 
 @dataclass(slots=True)
 class AttnMetadata:

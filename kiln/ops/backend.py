@@ -104,9 +104,10 @@ class Backend:
 
     def make_attention(
         self, heads: AttentionHeads, block_size: int, max_model_len: int, max_graph_batch: int,
-        dtype: torch.dtype, device: torch.device,
+        dtype: torch.dtype, kv_dtype: torch.dtype, device: torch.device,
     ) -> AttentionImpl:  # fmt: skip
-        """max_graph_batch: the largest decode batch a CUDA graph may capture."""
+        """max_graph_batch: the largest decode batch a CUDA graph may capture. dtype: the queries'; kv_dtype:
+        what the KV cache stores."""
         if self.attention == "cpu":
             from kiln.ops.cpu.attention import CpuAttention, pair_layout
 
@@ -115,14 +116,14 @@ class Backend:
                     f"cache.block_size {block_size}: kiln's CPU attention reads keys 8 at a time, so it "
                     "needs a multiple of 8 (or backend.attention: torch)"
                 )
-            return CpuAttention(pair_layout(dtype, heads.head_dim))
+            return CpuAttention(pair_layout(kv_dtype, heads.head_dim))
         if self.attention != "flashinfer":
             return TORCH_ATTENTION
         from kiln.ops.flashinfer_attention import FlashInferAttention
 
         h = heads
         return FlashInferAttention(
-            h.num_heads, h.num_kv_heads, h.head_dim, block_size, dtype, device,
+            h.num_heads, h.num_kv_heads, h.head_dim, block_size, dtype, kv_dtype, device,
             table_width(max_model_len, block_size), h.head_dim**-0.5, h.sliding_window, max_graph_batch,
             self.deterministic,
         )  # fmt: skip

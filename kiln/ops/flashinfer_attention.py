@@ -67,6 +67,7 @@ class FlashInferAttention:
         head_dim: int,
         block_size: int,
         dtype: torch.dtype,
+        kv_dtype: torch.dtype,
         device: torch.device,
         max_blocks_per_seq: int,
         scale: float,
@@ -74,14 +75,16 @@ class FlashInferAttention:
         max_graph_batch: int,
         deterministic: bool = False,
     ) -> None:
-        """max_graph_batch: the largest decode CUDA graph's batch, which sizes the shared split-KV scratch."""
+        """dtype: the queries' and outputs'; kv_dtype: the cache's (fp8 takes FA2 prefill: FlashInfer's FA3
+        needs fp8 queries with it). max_graph_batch: the largest decode CUDA graph's batch, which sizes the
+        shared split-KV scratch."""
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.deterministic = deterministic
-        self.block_size, self.dtype, self.device = block_size, dtype, device
+        self.block_size, self.dtype, self.kv_dtype, self.device = block_size, dtype, kv_dtype, device
         self.max_blocks_per_seq = max_blocks_per_seq
         # Tensor-core decode is faster once several query heads share a KV head (FlashInfer's advice).
         self.tensor_cores = num_heads // num_kv_heads >= 4
-        self.prefill_backend = prefill = prefill_backend(dtype, device)
+        self.prefill_backend = prefill = prefill_backend(dtype, kv_dtype, device)
         fa2_prefill = prefill != "fa3"
         self.fa3 = not fa2_prefill
         sms = torch.cuda.get_device_properties(device).multi_processor_count
@@ -111,7 +114,7 @@ class FlashInferAttention:
             self._graph_token_index = (
                 have if need <= have.numel() else torch.empty(need, dtype=torch.int32, device=device)
             )
-        build_kernels(head_dim, dtype, prefill, sliding_window > 0, self.tensor_cores)
+        build_kernels(head_dim, dtype, kv_dtype, prefill, sliding_window > 0, self.tensor_cores)
         if deterministic and fa2_prefill:
             log.warning(
                 "deterministic: FlashInfer prefills with FA2 on this GPU, whose query tile follows the "
@@ -214,7 +217,7 @@ class FlashInferAttention:
             "window_left": self.sliding_window - 1 if self.sliding_window > 0 else -1,
             "sm_scale": self.scale,
             "q_data_type": self.dtype,
-            "kv_data_type": self.dtype,
+            "kv_data_type": self.kv_dtype,
         }
         qo_indptr = pinned(layout.query_start_loc.astype(np.int32))
         if self.deterministic:

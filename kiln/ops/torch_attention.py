@@ -9,7 +9,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from kiln.ops.attention import AttnMetadata, StepLayout
+from kiln.ops.attention import AttnMetadata, StepLayout, to_cache
 from kiln.platform import has_cxx
 
 log = logging.getLogger(__name__)
@@ -64,7 +64,7 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapp
     # One scatter into a flat view of the whole cache: Inductor does it in place (a scatter into a
     # kv_cache[:, 0] slice compiled into a copy of the entire cache, 100x slower).
     flat = kv_cache.view(-1, *kv_cache.shape[3:])
-    flat[torch.cat([row, row + block_size])] = torch.cat([k, v]).to(kv_cache.dtype)
+    flat[torch.cat([row, row + block_size])] = to_cache(torch.cat([k, v]), kv_cache.dtype)
 
 
 def _gather_kv(kv_cache: torch.Tensor, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -48,6 +48,7 @@ def flagged(
         *("--return-tokens-as-token-ids", "--enable-force-include-usage", "--trust-request-chat-template"),
         *("--default-chat-template-kwargs", json.dumps({"greeting": "Ahoy"}), "--disable-uvicorn-access-log"),
         *("--trust-remote-code", "--middleware", "tests.api.middleware_example.stamp"),
+        *("--kv-cache-dtype", "fp8"),
     ]
     srv = start_server(tmp_path_factory.mktemp("serve-flags"), config, *flags, tls=trust)
     yield srv
@@ -99,6 +100,13 @@ def test_a_trusted_request_template_with_the_default_kwargs_under_its_own(
     assert r.json()["tokens"] == ids("Ahoy hello")
     body = {"messages": HI, "chat_template": TEMPLATE, "chat_template_kwargs": {"greeting": "Hey"}}
     assert call(flagged, trust, "/tokenize", body).json()["tokens"] == ids("Hey hello")
+
+
+def test_the_kv_cache_is_fp8_and_serves(flagged: Server, trust: ssl.SSLContext) -> None:
+    out = flagged.output()
+    assert "KV blocks of 32 tokens (float8_e4m3fn)" in out and "KV cache in fp8_e4m3 with a scale of 1.0" in out
+    r = call(flagged, trust, "/v1/completions", {"prompt": "hello " * 40, "max_tokens": 8, "ignore_eos": True})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 8
 
 
 def test_the_access_log_is_off_and_remote_code_is_named(flagged: Server) -> None:

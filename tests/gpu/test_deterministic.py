@@ -93,7 +93,9 @@ def test_flashinfer_rows_are_the_same_bits_in_every_kind_of_step(D: int) -> None
     rng = np.random.default_rng(0)
     dev = torch.device("cuda")
     cache = torch.randn(BLOCKS + 1, 2, BS, KVH, D, device=dev, dtype=torch.bfloat16)
-    fi = FlashInferAttention(H, KVH, D, BS, torch.bfloat16, dev, WIDTH, D**-0.5, 0, 8, deterministic=True)
+    fi = FlashInferAttention(
+        H, KVH, D, BS, torch.bfloat16, torch.bfloat16, dev, WIDTH, D**-0.5, 0, 8, deterministic=True
+    )
     table = rng.permutation(BLOCKS)[:WIDTH]
     q = torch.randn(L, H, D, device=dev, dtype=torch.bfloat16)
     last = (table, L - 1, q[-1:])
@@ -128,7 +130,9 @@ def test_a_decode_graph_reading_more_than_16m_kv_tokens_matches_the_step_outside
     from kiln.ops.flashinfer_attention import FlashInferAttention
 
     dev, D, batch, width = torch.device("cuda"), 128, 64, 2**19 // BS
-    fi = FlashInferAttention(H, KVH, D, BS, torch.bfloat16, dev, width, D**-0.5, 0, batch, deterministic=True)
+    fi = FlashInferAttention(
+        H, KVH, D, BS, torch.bfloat16, torch.bfloat16, dev, width, D**-0.5, 0, batch, deterministic=True
+    )
     if not fi.fa3:
         pytest.skip(f"{torch.cuda.get_device_name()} prefills with FA2, which has no token index")
     torch.manual_seed(0)

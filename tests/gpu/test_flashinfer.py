@@ -12,14 +12,16 @@ BS, KVH, BLOCKS = 16, 2, 64
 
 
 def _step(
-    ctx_lens: list[int], q_lens: list[int], decode_only: bool, D: int, window: int = 0, H: int = 4
-) -> None:
-    """A step over a random bf16 cache: request i has ctx_lens[i] cached tokens and q_lens[i] new ones."""
+    ctx_lens: list[int], q_lens: list[int], decode_only: bool, D: int, window: int = 0, H: int = 4,
+    kv_dtype: torch.dtype = torch.bfloat16,
+) -> None:  # fmt: skip
+    """A step over a random cache of kv_dtype under bf16 queries: request i has ctx_lens[i] cached tokens
+    and q_lens[i] new ones."""
     from kiln.ops.flashinfer_attention import FlashInferAttention
 
     torch.manual_seed(0)
     dev = torch.device("cuda")
-    cache = torch.randn(BLOCKS + 1, 2, BS, KVH, D, device=dev, dtype=torch.bfloat16)
+    cache = torch.randn(BLOCKS + 1, 2, BS, KVH, D, device=dev).to(kv_dtype)
     seq = [c + n for c, n in zip(ctx_lens, q_lens, strict=True)]
     width = max(2, max(-(-s // BS) for s in seq))
     perm = np.random.default_rng(0).permutation(BLOCKS)[: len(seq) * width].reshape(len(seq), width)
@@ -38,7 +40,7 @@ def _step(
         torch.from_numpy(table).to(dev),
         decode_only,
     )
-    fi = FlashInferAttention(H, KVH, D, BS, torch.bfloat16, dev, width, D**-0.5, window, len(seq))
+    fi = FlashInferAttention(H, KVH, D, BS, torch.bfloat16, kv_dtype, dev, width, D**-0.5, window, len(seq))
     fi.plan(StepLayout(qsl, np.array(seq, dtype=np.int32), table, decode_only, False))
     ref_cache = cache.clone()
     want = TORCH_ATTENTION.forward(q, k, v, ref_cache, meta, D**-0.5, window)
@@ -68,6 +70,15 @@ def test_chunked_prefill_on_a_cached_prefix_mixed_with_decodes(D: int) -> None:
 def test_tensor_core_decode() -> None:
     """Four query heads per KV head (Llama-3-8B's ratio) decode on tensor cores."""
     _step([40, 1, 15, 100], [1, 1, 1, 1], decode_only=True, D=128, H=8)
+
+
+@pytest.mark.parametrize("H", [4, 8])  # CUDA-core decode, tensor-core decode
+@pytest.mark.parametrize("decode_only", [False, True])
+def test_fp8_cache(decode_only: bool, H: int) -> None:
+    """--kv-cache-dtype fp8: FlashInfer reads the e4m3 values the torch reference reads (FA2 prefill;
+    FA3 would need fp8 queries), and the writer stores the reference's bits."""
+    q_lens = [1, 1, 1] if decode_only else [33, 1, 1]
+    _step([48, 20, 7], q_lens, decode_only=decode_only, D=128, H=H, kv_dtype=torch.float8_e4m3fn)
 
 
 @HEAD_DIMS
@@ -128,7 +139,7 @@ def test_a_mixed_step_reading_more_than_16m_kv_tokens() -> None:
         )
         return m, StepLayout(qsl, seq, table, False, False)
 
-    fi = FlashInferAttention(H, KVH, D, BS, torch.bfloat16, dev, width, D**-0.5, 0, 8)
+    fi = FlashInferAttention(H, KVH, D, BS, torch.bfloat16, torch.bfloat16, dev, width, D**-0.5, 0, 8)
     long_meta, layout = meta(np.tile(cycle, repeats))
     assert int(layout.seq_lens.sum()) > 16 * 2**20
     fi.plan(layout)
@@ -164,7 +175,18 @@ def test_plan_returns_while_the_last_step_runs(
     table = np.random.default_rng(0).permutation(BLOCKS)[:18].reshape(3, 6).astype(np.int32)  # 96 tokens
     qsl = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
     fi = FlashInferAttention(
-        H, KVH, D, BS, torch.bfloat16, dev, table.shape[1], D**-0.5, 0, len(seq), deterministic
+        H,
+        KVH,
+        D,
+        BS,
+        torch.bfloat16,
+        torch.bfloat16,
+        dev,
+        table.shape[1],
+        D**-0.5,
+        0,
+        len(seq),
+        deterministic,
     )
     layout = StepLayout(qsl, seq, table, decode_only, graph)
     fi.plan(layout)  # the first plan of a kind loads its module

@@ -82,11 +82,18 @@ def test_rotary_in_place_on_qkv_views(dtype: torch.dtype, neox: bool, rot_dim: i
     assert torch.equal(qkv[:, (H + KVH) * D :], untouched)  # V is not rotated
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_write_kv_skips_padding_slots(dtype: torch.dtype) -> None:
+@pytest.mark.parametrize(
+    ("dtype", "cache_dtype"),
+    [*((d, d) for d in DTYPES), (torch.bfloat16, torch.float8_e4m3fn), (torch.float32, torch.float8_e5m2)],
+)
+def test_write_kv_skips_padding_slots(dtype: torch.dtype, cache_dtype: torch.dtype) -> None:
+    """The reference's bits, fp8 caches (--kv-cache-dtype) included, saturating past their range. The
+    values fp8 can hold exactly: the interpreter's rounding to fp8 drops a carry (0.1198 to e5m2 gives
+    0.0625, not 0.125), where a GPU's conversion rounds to nearest even, as torch does."""
     blocks, bs, KVH, D, T = 6, 4, 3, 8, 9
-    cache = rand(blocks + 1, 2, bs, KVH, D, dtype=dtype)
-    qkv = rand(T, 3 * KVH * D, dtype=dtype)
+    cache = rand(blocks + 1, 2, bs, KVH, D, dtype=cache_dtype)
+    qkv = rand(T, 3 * KVH * D, dtype=cache_dtype).to(dtype)
+    qkv[0, KVH * D : KVH * D + 4] = torch.tensor([1e5, -1e5, 3e4, -3e4])
     _, k, v = (t.view(T, KVH, D) for t in qkv.split(KVH * D, dim=-1))
     slots = torch.tensor([5, -1, 0, 23, -1, 17, 9, 10, -1], device=DEVICE)
     want = cache.clone()

@@ -746,7 +746,9 @@ at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& kv_cache, c
       run(kv_cache.data_ptr<c10::BFloat16>(), std::false_type{});
       break;
     case at::kFloat: run(kv_cache.data_ptr<float>(), std::false_type{}); break;
-    default: TORCH_CHECK(false, "kiln_cpu::paged_attention: kv_cache must be float32, float16 or bfloat16");
+    case at::kFloat8_e4m3fn: run(kv_cache.data_ptr<c10::Float8_e4m3fn>(), std::false_type{}); break;
+    case at::kFloat8_e5m2: run(kv_cache.data_ptr<c10::Float8_e5m2>(), std::false_type{}); break;
+    default: TORCH_CHECK(false, "kiln_cpu::paged_attention: kv_cache must be float32, float16, bfloat16 or fp8");
   }
   return out;
 }

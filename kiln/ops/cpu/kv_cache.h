@@ -1,6 +1,17 @@
 // Writing new tokens' K and V into the KV cache's slots, in attention.h's layout.
 // Part of kernels.cpp's one translation unit, inside its anonymous namespace: no includes of its own.
 
+// x in the cache's dtype. fp8 saturates at its largest finite value, as vLLM's writers do (e4m3 has no
+// infinity, and c10's conversion makes NaN of what lies beyond).
+template <typename KV>
+inline KV to_cache(float x) {
+  if constexpr (std::is_same_v<KV, c10::Float8_e4m3fn> || std::is_same_v<KV, c10::Float8_e5m2>) {
+    const float limit = static_cast<float>(std::numeric_limits<KV>::max());
+    return KV(std::clamp(x, -limit, limit));
+  }
+  return KV(x);
+}
+
 // k, v [T, KVH, D] float32 (rows may be strided) into the cache's slots (slot_mapping [T] int64; -1 is
 // padding, not written), in attention.h's layout, rounded to the cache's dtype. Slots are distinct, so tokens
 // are written in parallel.
@@ -41,8 +52,8 @@ void write_slots(const at::Tensor& k, const at::Tensor& v, KV* cache, const int6
           for (int64_t d = d0; d < D; ++d) kh[(d / 2) * 2 * bs + at * 2 + d % 2] = KV(kr[d]);
           for (int64_t d = d0; d < D; ++d) vh[(at / 2) * 2 * D + d * 2 + at % 2] = KV(vr[d]);
         } else {  // K^T[h, d, at], V[h, at, d]
-          for (int64_t d = 0; d < D; ++d) kh[d * bs + at] = KV(kr[d]);
-          for (int64_t d = 0; d < D; ++d) vh[at * D + d] = KV(vr[d]);
+          for (int64_t d = 0; d < D; ++d) kh[d * bs + at] = to_cache<KV>(kr[d]);
+          for (int64_t d = 0; d < D; ++d) vh[at * D + d] = to_cache<KV>(vr[d]);
         }
       }
     }
@@ -64,6 +75,8 @@ void write_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor& kv_cache, co
     case at::kHalf: write_slots(k, v, kv_cache.data_ptr<c10::Half>(), slots, bs, false); break;
     case at::kBFloat16: write_slots(k, v, kv_cache.data_ptr<c10::BFloat16>(), slots, bs, pairs); break;
     case at::kFloat: write_slots(k, v, kv_cache.data_ptr<float>(), slots, bs, false); break;
-    default: TORCH_CHECK(false, "kiln_cpu::write_kv: kv_cache must be float32, float16 or bfloat16");
+    case at::kFloat8_e4m3fn: write_slots(k, v, kv_cache.data_ptr<c10::Float8_e4m3fn>(), slots, bs, false); break;
+    case at::kFloat8_e5m2: write_slots(k, v, kv_cache.data_ptr<c10::Float8_e5m2>(), slots, bs, false); break;
+    default: TORCH_CHECK(false, "kiln_cpu::write_kv: kv_cache must be float32, float16, bfloat16 or fp8");
   }
 }

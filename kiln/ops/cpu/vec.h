@@ -12,9 +12,21 @@ inline __m256 load8(const c10::BFloat16* p) {
   __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
 }
-inline float load1(const float* p) { return *p; }
-inline float load1(const c10::Half* p) { return static_cast<float>(*p); }
-inline float load1(const c10::BFloat16* p) { return static_cast<float>(*p); }
+// fp8 KV-cache values (--kv-cache-dtype fp8) through half's bits, for F16C's conversion. e5m2 is half's top
+// byte. e4m3's exponent and mantissa, shifted to half's places, read as half's with a bias of 15, not 7: the
+// result is x 2^-8, exactly, subnormals included.
+inline __m256 load8(const c10::Float8_e5m2* p) {
+  const __m128i b = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_cvtph_ps(_mm_slli_epi16(b, 8));
+}
+inline __m256 load8(const c10::Float8_e4m3fn* p) {
+  const __m128i b = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  const __m128i sign = _mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x80)), 8);
+  const __m128i h = _mm_or_si128(sign, _mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x7F)), 7));
+  return _mm256_mul_ps(_mm256_cvtph_ps(h), _mm256_set1_ps(256.0f));
+}
+template <typename T>
+inline float load1(const T* p) { return static_cast<float>(*p); }
 
 // e^x for eight lanes (Cephes' expf: range reduction by ln 2, degree-5 polynomial); e^-inf = 0.
 inline __m256 exp8(__m256 x) {

@@ -6,7 +6,18 @@ from kiln.ops.triton import launch, op
 
 
 @triton.jit
-def _write_kv(k_ptr, v_ptr, cache_ptr, slot_ptr, k_row, v_row, block_size, width, BLOCK: tl.constexpr):
+def _write_kv(
+    k_ptr,
+    v_ptr,
+    cache_ptr,
+    slot_ptr,
+    k_row,
+    v_row,
+    block_size,
+    width,
+    LIMIT: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     slot = tl.load(slot_ptr + tl.program_id(0)).to(tl.int64)
     if slot >= 0:
         t = tl.program_id(0).to(tl.int64)
@@ -14,8 +25,15 @@ def _write_kv(k_ptr, v_ptr, cache_ptr, slot_ptr, k_row, v_row, block_size, width
         mask = cols < width
         # Cache [num_blocks, 2, block_size, KVH * D]: K then V within each block.
         dst = cache_ptr + ((slot // block_size) * 2 * block_size + slot % block_size) * width + cols
-        tl.store(dst, tl.load(k_ptr + t * k_row + cols, mask=mask), mask=mask)
-        tl.store(dst + block_size * width, tl.load(v_ptr + t * v_row + cols, mask=mask), mask=mask)
+        k = tl.load(k_ptr + t * k_row + cols, mask=mask)
+        v = tl.load(v_ptr + t * v_row + cols, mask=mask)
+        if LIMIT > 0:  # an fp8 cache saturates (kiln.ops.attention.to_cache)
+            k = tl.minimum(tl.maximum(k.to(tl.float32), -LIMIT), LIMIT)
+            v = tl.minimum(tl.maximum(v.to(tl.float32), -LIMIT), LIMIT)
+        tl.store(dst, k.to(cache_ptr.dtype.element_ty, fp_downcast_rounding="rtne"), mask=mask)
+        tl.store(
+            dst + block_size * width, v.to(cache_ptr.dtype.element_ty, fp_downcast_rounding="rtne"), mask=mask
+        )
 
 
 @op("kiln::write_kv", mutates_args=("kv_cache",))
@@ -25,6 +43,7 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapp
     width = k.shape[1] * k.shape[2]
     assert k.stride(1) == k.shape[2] and v.stride(1) == v.shape[2], "K/V heads must be contiguous"
     block = min(triton.next_power_of_2(width), 1024)
+    limit = torch.finfo(kv_cache.dtype).max if kv_cache.dtype.itemsize == 1 else 0.0
     launch(_write_kv)[(k.shape[0], triton.cdiv(width, block))](
-        k, v, kv_cache, slot_mapping, k.stride(0), v.stride(0), kv_cache.shape[2], width, BLOCK=block
+        k, v, kv_cache, slot_mapping, k.stride(0), v.stride(0), kv_cache.shape[2], width, limit, BLOCK=block
     )
