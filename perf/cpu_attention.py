@@ -2,12 +2,12 @@
 own 36 MB KV cache (the default model's 1 GiB), blocks scattered at random, so K/V come from DRAM. `--hot`
 reuses one layer's cache for all 30 (K/V from cache), the way a single-call microbenchmark sees it.
 `--prefill N [N ...]` times a causal prefill of N tokens instead, in 2,048-token chunks as the engine
-runs it, on a bfloat16 cache (K and V in pairs where the kernels have AVX512-BF16): one layer's calls,
-times 30. `--dtype bfloat16` runs the decode steps on a bfloat16 cache (in pairs, likewise) instead of
-float16. `--block-size` sets the cache's (32, kiln's CPU default: AMX passes need blocks of 32; blocks of 16
-take the AVX512-BF16 kernel).
+runs it: one layer's calls, times 30. `--dtype` sets the cache's dtype: by default float16 for decode
+steps, bfloat16 for prefills; bfloat16 and fp8 (--kv-cache-dtype's fp8_e4m3, fp8_e5m2) keep K and V in
+pairs where the kernels have AVX512-BF16. `--block-size` sets the cache's (32, kiln's CPU default: AMX
+passes need blocks of 32; blocks of 16 take the AVX512-BF16 kernel).
 
-    .venv/bin/python perf/cpu_attention.py [--hot] [--dtype float16|bfloat16] [--prefill 1900 7900]
+    .venv/bin/python perf/cpu_attention.py [--hot] [--dtype float16|bfloat16|fp8_e4m3|fp8_e5m2] [--prefill N]
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import time
 
 import torch
 
+from kiln.ops.attention import KV_CACHE_DTYPES
 from kiln.ops.cpu import native
 from kiln.ops.cpu.attention import pair_layout
 
@@ -30,15 +31,15 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--hot", action="store_true")
     ap.add_argument("--prefill", type=int, nargs="+", default=[])
-    ap.add_argument("--dtype", choices=["float16", "bfloat16"], default="float16", help="decode's cache")
+    ap.add_argument("--dtype", choices=["float16", "bfloat16", "fp8_e4m3", "fp8_e5m2"])
     ap.add_argument("--block-size", type=int, default=32)
     args = ap.parse_args()
     native.load()
     block = args.block_size
     if args.prefill:
-        return prefill(args.prefill, block)
+        return prefill(args.prefill, block, KV_CACHE_DTYPES[args.dtype or "bfloat16"])
     blocks = CACHE_SLOTS // block
-    dtype = getattr(torch, args.dtype)
+    dtype = KV_CACHE_DTYPES[args.dtype or "float16"]
     pairs = pair_layout(dtype, DIM)
     layers = 1 if args.hot else LAYERS
     caches = [torch.randn(blocks, 2, block, KV_HEADS, DIM).to(dtype) for _ in range(layers)]
@@ -62,13 +63,13 @@ def main() -> None:
         print(f"batch {batch}, context {ctx}: {ms / LAYERS:.3f} ms per layer, {mb / ms:.1f} GB/s of K/V")
 
 
-def prefill(lengths: list[int], block: int, chunk: int = 2048) -> None:
-    pairs = pair_layout(torch.bfloat16, DIM)
+def prefill(lengths: list[int], block: int, dtype: torch.dtype, chunk: int = 2048) -> None:
+    pairs = pair_layout(dtype, DIM)
     for n in lengths:
         width = -(-n // block)
         order = list(range(width))
         random.Random(0).shuffle(order)
-        cache = torch.randn(width, 2, block, KV_HEADS, DIM).bfloat16()
+        cache = torch.randn(width, 2, block, KV_HEADS, DIM).to(dtype)
         table = torch.tensor([order], dtype=torch.int32)
         chunks = [(c, min(n, c + chunk)) for c in range(0, n, chunk)]
         qs = [torch.randn(e - c, HEADS, DIM) for c, e in chunks]
@@ -83,7 +84,9 @@ def prefill(lengths: list[int], block: int, chunk: int = 2048) -> None:
         s = statistics.median(times) * LAYERS
         flops = 4 * HEADS * DIM * (n * (n + 1) / 2) * LAYERS
         rate = flops / s / 1e9
-        print(f"prefill {n} tokens (pairs {pairs}): {s:.2f} s for {LAYERS} layers, {rate:.0f} GFLOP/s")
+        print(
+            f"prefill {n} tokens ({dtype}, pairs {pairs}): {s:.2f} s for {LAYERS} layers, {rate:.0f} GFLOP/s"
+        )
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ from kiln.ops.matmul import CpuMatmul
 from kiln.ops.moe import moe_experts, route
 from kiln.ops.rotary import apply_rotary, rope_cos_sin, rope_inv_freq
 from kiln.ops.torch_attention import attention as reference_attention
+from kiln.ops.torch_attention import write_kv as standard_write
 
 FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)  # --kv-cache-dtype fp8_e4m3, fp8_e5m2
 
@@ -219,8 +220,6 @@ def test_long_prefill_rows_do_not_depend_on_chunking(block: int) -> None:
 def test_cpu_cache_writes_are_the_kernels_layout(dtype: torch.dtype) -> None:
     """The CPU writer puts K/V where the usual writer would, in the kernel's layout, rounded alike (fp8
     saturating, not NaN, past its range); padding slots (-1) write nothing."""
-    from kiln.ops.torch_attention import write_kv as standard_write
-
     torch.manual_seed(0)
     blocks, bs, kv_heads, dim = 5, 16, 3, 20
     k, v = torch.randn(7, kv_heads, dim), torch.randn(7, kv_heads, dim + 4)[..., :dim]  # v: strided rows
@@ -237,11 +236,40 @@ def test_cpu_cache_writes_are_the_kernels_layout(dtype: torch.dtype) -> None:
     assert not ours.float().isnan().any()
 
 
+@pytest.mark.parametrize("dtype", FP8)
+@pytest.mark.parametrize("pairs", [False, True])
+def test_fp8_writes_round_as_torch(dtype: torch.dtype, pairs: bool) -> None:
+    """Every finite fp8 value, the midpoints between neighbours (ties go to the even one) and values just
+    off them, subnormals and zeros of both signs, and values past the largest (saturating): the C++
+    writer's bytes are torch's rounding (to_cache)."""
+    if pairs and not native.bf16_dot():
+        pytest.skip("pairs need AVX512-BF16, which this CPU lacks")
+    codes = torch.arange(256, dtype=torch.uint8).view(dtype).float()
+    values = codes[codes.isfinite()].unique()  # ascending
+    mid = (values[1:] + values[:-1]) / 2
+    limit = torch.finfo(dtype).max
+    x = torch.cat([values, mid, mid.nextafter(values[1:]), mid.nextafter(values[:-1]), torch.tensor([-0.0])])
+    x = torch.cat([x, torch.tensor([limit * 1.01, -limit * 3, 1e30, -1e30])])
+    dim = 32
+    x = torch.cat([x, torch.zeros(-len(x) % dim)]).view(-1, 1, dim)
+    tokens = len(x)
+    bs = 32
+    blocks = -(-tokens // bs)
+    usual = torch.zeros(blocks + 1, 2, bs, 1, dim, dtype=dtype)
+    ours = torch.zeros_like(usual)
+    slots = torch.arange(tokens)
+    standard_write(x, -x, usual, slots)
+    write_kv(x, -x, ours, slots, pairs)
+    assert torch.equal(
+        ours[:blocks].view(torch.uint8), from_standard(usual, pairs)[:blocks].view(torch.uint8)
+    )
+
+
 def test_pairs_need_a_bfloat16_cache() -> None:
     cache = torch.zeros(3, 2, 16, 2, 64, dtype=torch.float16)
     i32 = torch.int32
     meta = torch.tensor([0, 1], dtype=i32), torch.tensor([1], dtype=i32), torch.zeros(1, 2, dtype=i32)
-    with pytest.raises(RuntimeError, match="pairs need a bfloat16 cache"):
+    with pytest.raises(RuntimeError, match="pairs need a bfloat16 or fp8 cache"):
         torch.ops.kiln_cpu.paged_attention(torch.randn(1, 6, 64), cache, *meta, 0.125, 0, True)
 
 

@@ -89,10 +89,11 @@ inline void piece_scores(const float* qt, const KV* const* kt, int64_t bs, int64
 #if defined(__AVX512BF16__) && defined(__AVX512VL__)
 // piece_scores with K in pairs of d ([D/2, bs, 2]) and qp the rows' queries as bfloat16 pairs [D/2, R]:
 // each score is one chain of pair dot products over d, sixteen keys to a vector. A piece of fewer keys (a
-// block of 8) reads on into the next row of pairs; those lanes are masked.
-template <int R, int NP>
-inline void piece_score_pairs(const uint32_t* qp, const c10::BFloat16* const* kt, int64_t bs, int64_t D,
-                              float scale, float (*s)[R][kPiece]) {
+// block of 8) reads on into the next row of pairs; those lanes are masked. K is bfloat16, or fp8 widened
+// to it (pairs32).
+template <typename KV, int R, int NP>
+inline void piece_score_pairs(const uint32_t* qp, const KV* const* kt, int64_t bs, int64_t D, float scale,
+                              float (*s)[R][kPiece]) {
   __m512 a[NP][R];
 #pragma GCC unroll 4
   for (int i = 0; i < NP; ++i)
@@ -101,7 +102,7 @@ inline void piece_score_pairs(const uint32_t* qp, const c10::BFloat16* const* kt
   for (int64_t d2 = 0; d2 < D / 2; ++d2) {
     __m512bh k[NP];
 #pragma GCC unroll 4
-    for (int i = 0; i < NP; ++i) k[i] = (__m512bh)_mm512_loadu_si512(kt[i] + d2 * 2 * bs);
+    for (int i = 0; i < NP; ++i) k[i] = pairs32(kt[i] + d2 * 2 * bs);
 #pragma GCC unroll 16
     for (int r = 0; r < R; ++r) {
       const __m512bh qd = (__m512bh)_mm512_set1_epi32(static_cast<int>(qp[d2 * R + r]));
@@ -148,9 +149,9 @@ inline void piece_values(float* acc, const float* alpha, const float (*e)[kPiece
 // acc_r[d] * alpha_r + the pair dot products of (e_r[2p], e_r[2p + 1]) with (v_2p[d], v_2p+1[d]) for pairs p
 // over keys [u0, u1) in order: one chain per lane, accumulated in float32. A pair's key outside [u0, u1) is
 // loaded as zero: it may be a slot not written yet, whose bits need not be a number (0 * NaN is NaN).
-template <int R, int VW>
-inline void piece_value_pairs(float* acc, const float* alpha, const uint32_t (*ep)[kPiece / 2],
-                              const c10::BFloat16* v, int64_t D, int64_t u0, int64_t u1, int64_t d) {
+template <typename KV, int R, int VW>
+inline void piece_value_pairs(float* acc, const float* alpha, const uint32_t (*ep)[kPiece / 2], const KV* v,
+                              int64_t D, int64_t u0, int64_t u1, int64_t d) {
   __mmask16 lanes[VW];
   __mmask32 halves[VW];  // the bfloat16 elements of lanes
 #pragma GCC unroll 2
@@ -170,7 +171,7 @@ inline void piece_value_pairs(float* acc, const float* alpha, const uint32_t (*e
     __m512bh vv[VW];
 #pragma GCC unroll 2
     for (int w = 0; w < VW; ++w)
-      vv[w] = (__m512bh)_mm512_maskz_loadu_epi16(keys & halves[w], v + 2 * (p * D + d + 16 * w));
+      vv[w] = pairs32(v + 2 * (p * D + d + 16 * w), keys & halves[w]);
 #pragma GCC unroll 16
     for (int r = 0; r < R; ++r) {
       const __m512bh ev = (__m512bh)_mm512_set1_epi32(static_cast<int>(ep[r][p]));
@@ -289,8 +290,8 @@ void attend(const Layout& L, const float* q, const KV* kv, float* out, int64_t b
         _mm256_store_si256(reinterpret_cast<__m256i*>(ep[r]), (__m256i)_mm512_cvtneps_pbh(er));
       }
       int64_t d = 0;
-      for (; D - d > 16; d += 32) piece_value_pairs<R, 2>(acc, alpha, ep, v, D, k.u0, k.u1, d);
-      if (d < D) piece_value_pairs<R, 1>(acc, alpha, ep, v, D, k.u0, k.u1, d);
+      for (; D - d > 16; d += 32) piece_value_pairs<KV, R, 2>(acc, alpha, ep, v, D, k.u0, k.u1, d);
+      if (d < D) piece_value_pairs<KV, R, 1>(acc, alpha, ep, v, D, k.u0, k.u1, d);
       return;
     }
 #endif
@@ -341,8 +342,8 @@ void attend(const Layout& L, const float* q, const KV* kv, float* out, int64_t b
     constexpr int NV = decltype(nv)::value;
 #if defined(__AVX512BF16__) && defined(__AVX512VL__)
     if constexpr (Pairs) {
-      if (queued == NP) return piece_score_pairs<R, NP>(qp, kts, bs, D, L.scale, s);
-      for (int i = 0; i < queued; ++i) piece_score_pairs<R, 1>(qp, kts + i, bs, D, L.scale, s + i);
+      if (queued == NP) return piece_score_pairs<KV, R, NP>(qp, kts, bs, D, L.scale, s);
+      for (int i = 0; i < queued; ++i) piece_score_pairs<KV, R, 1>(qp, kts + i, bs, D, L.scale, s + i);
       return;
     }
 #endif
@@ -643,8 +644,10 @@ at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& kv_cache, c
   const int64_t B = seq_lens.size(0);
   Layout L{query_start_loc.data_ptr<int32_t>(), seq_lens.data_ptr<int32_t>(), block_table.data_ptr<int32_t>(),
            block_table.size(1), kv_cache.size(2), KVH, D, H / KVH, float(scale), sliding_window};
-  TORCH_CHECK(!pairs || (kBf16Dot && kv_cache.scalar_type() == at::kBFloat16 && D % 2 == 0),
-              "kiln_cpu::paged_attention: pairs need a bfloat16 cache, an even head dim and AVX512-BF16");
+  const auto dtype = kv_cache.scalar_type();
+  TORCH_CHECK(!pairs || (kBf16Dot && D % 2 == 0 &&
+                         (dtype == at::kBFloat16 || dtype == at::kFloat8_e4m3fn || dtype == at::kFloat8_e5m2)),
+              "kiln_cpu::paged_attention: pairs need a bfloat16 or fp8 cache, an even head dim and AVX512-BF16");
   // Every request row is written below; only the padding rows past the last request need zeros.
   at::Tensor out = at::empty(q.sizes(), q.options());
   const int64_t used_rows = std::min<int64_t>(L.qsl[B], T);
@@ -734,20 +737,18 @@ at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& kv_cache, c
 #endif
     }
   };
-  switch (kv_cache.scalar_type()) {
-    case at::kHalf: run(kv_cache.data_ptr<c10::Half>(), std::false_type{}); break;
-    case at::kBFloat16:
+  auto either = [&](auto* kv) {
 #if defined(__AVX512BF16__) && defined(__AVX512VL__)
-      if (pairs) {
-        run(kv_cache.data_ptr<c10::BFloat16>(), std::true_type{});
-        break;
-      }
+    if (pairs) return run(kv, std::true_type{});
 #endif
-      run(kv_cache.data_ptr<c10::BFloat16>(), std::false_type{});
-      break;
+    run(kv, std::false_type{});
+  };
+  switch (dtype) {
+    case at::kHalf: run(kv_cache.data_ptr<c10::Half>(), std::false_type{}); break;
+    case at::kBFloat16: either(kv_cache.data_ptr<c10::BFloat16>()); break;
     case at::kFloat: run(kv_cache.data_ptr<float>(), std::false_type{}); break;
-    case at::kFloat8_e4m3fn: run(kv_cache.data_ptr<c10::Float8_e4m3fn>(), std::false_type{}); break;
-    case at::kFloat8_e5m2: run(kv_cache.data_ptr<c10::Float8_e5m2>(), std::false_type{}); break;
+    case at::kFloat8_e4m3fn: either(kv_cache.data_ptr<c10::Float8_e4m3fn>()); break;
+    case at::kFloat8_e5m2: either(kv_cache.data_ptr<c10::Float8_e5m2>()); break;
     default: TORCH_CHECK(false, "kiln_cpu::paged_attention: kv_cache must be float32, float16, bfloat16 or fp8");
   }
   return out;

@@ -7,7 +7,7 @@ prompt, or on whether its prefix came from the prefix cache (fresh K/V are read 
 The cache tensor has the usual shape, [num_blocks + 1, 2, block_size, KVH, D], but the kernel's layout
 inside each block: K transposed per kv head, [KVH, D, block_size], so a query's scores for a row of keys
 come from the GEMM micro-kernel's FMA pattern (keys along vector lanes), then V per kv head,
-[KVH, block_size, D]. With pairs (a bfloat16 cache, an even D and kernels built with AVX512-BF16), K is
+[KVH, block_size, D]. With pairs (a bfloat16 or fp8 cache, an even D and kernels built with AVX512-BF16), K is
 [KVH, D/2, block_size, 2], pairs of d side by side, and V is [KVH, block_size/2, D, 2], pairs of keys side
 by side, for one dot-product instruction per pair. Only this module writes it and only the kernel reads it."""
 
@@ -17,10 +17,13 @@ from kiln.ops.attention import AttnMetadata, StepLayout
 from kiln.ops.cpu import native
 
 
+PAIRED = (torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2)  # fp8 is widened to bfloat16 pairs
+
+
 def pair_layout(dtype: torch.dtype, head_dim: int) -> bool:
     """Whether a cache of this dtype keeps K in pairs of d and V in pairs of keys (chosen once, and passed
     to the kernel)."""
-    return dtype == torch.bfloat16 and head_dim % 2 == 0 and native.bf16_dot()
+    return dtype in PAIRED and head_dim % 2 == 0 and native.bf16_dot()
 
 
 def write_kv(

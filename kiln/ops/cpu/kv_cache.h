@@ -1,16 +1,64 @@
 // Writing new tokens' K and V into the KV cache's slots, in attention.h's layout.
 // Part of kernels.cpp's one translation unit, inside its anonymous namespace: no includes of its own.
 
+// The fp8 formats' mantissa bits and exponent bias.
+template <typename KV>
+struct Fp8 {
+  static constexpr bool kIs = false;
+};
+template <>
+struct Fp8<c10::Float8_e4m3fn> {
+  static constexpr bool kIs = true;
+  static constexpr int kMantissa = 3, kBias = 7;
+};
+template <>
+struct Fp8<c10::Float8_e5m2> {
+  static constexpr bool kIs = true;
+  static constexpr int kMantissa = 2, kBias = 15;
+};
+
 // x in the cache's dtype. fp8 saturates at its largest finite value, as vLLM's writers do (e4m3 has no
 // infinity, and c10's conversion makes NaN of what lies beyond).
 template <typename KV>
 inline KV to_cache(float x) {
-  if constexpr (std::is_same_v<KV, c10::Float8_e4m3fn> || std::is_same_v<KV, c10::Float8_e5m2>) {
+  if constexpr (Fp8<KV>::kIs) {
     const float limit = static_cast<float>(std::numeric_limits<KV>::max());
     return KV(std::clamp(x, -limit, limit));
   }
   return KV(x);
 }
+
+// n floats as fp8 bytes, to_cache's: rounded to nearest even, saturating. With AVX-512, sixteen at a time:
+// a normal value drops its extra mantissa bits (adding half an ulp, less one unless the kept part is odd;
+// a carry moves the exponent up) and is rebiased; a smaller one is its multiple of the smallest subnormal,
+// rounded to nearest even by the conversion.
+template <typename KV>
+inline void to_fp8(const float* x, uint8_t* out, int64_t n) {
+  int64_t i = 0;
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+  constexpr int M = Fp8<KV>::kMantissa, B = Fp8<KV>::kBias, drop = 23 - M;
+  const __m512 limit = _mm512_set1_ps(static_cast<float>(std::numeric_limits<KV>::max()));
+  const __m512 smallest_normal = _mm512_set1_ps(std::ldexp(1.0f, 1 - B));
+  const __m512 per_subnormal = _mm512_set1_ps(std::ldexp(1.0f, B - 1 + M));
+  for (; i < n; i += 16) {
+    const __mmask16 lanes = n - i >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (n - i)) - 1);
+    const __m512 v = _mm512_maskz_loadu_ps(lanes, x + i);
+    const __m512i sign = _mm512_and_si512(_mm512_srli_epi32(_mm512_castps_si512(v), 24), _mm512_set1_epi32(0x80));
+    const __m512 a = _mm512_min_ps(_mm512_abs_ps(v), limit);
+    const __m512i bits = _mm512_castps_si512(a);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, drop), _mm512_set1_epi32(1));
+    const __m512i up = _mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32((1 << (drop - 1)) - 1), odd));
+    const __m512i normal = _mm512_sub_epi32(_mm512_srli_epi32(up, drop), _mm512_set1_epi32((127 - B) << M));
+    const __m512i sub = _mm512_cvtps_epi32(_mm512_mul_ps(a, per_subnormal));
+    const __mmask16 small = _mm512_cmp_ps_mask(a, smallest_normal, _CMP_LT_OQ);
+    const __m512i code = _mm512_or_si512(_mm512_mask_mov_epi32(normal, small, sub), sign);
+    _mm_mask_storeu_epi8(out + i, lanes, _mm512_cvtepi32_epi8(code));
+  }
+#endif
+  for (; i < n; ++i) out[i] = to_cache<KV>(x[i]).x;
+}
+
+constexpr int64_t kMaxFp8HeadDim = 1024;
 
 // k, v [T, KVH, D] float32 (rows may be strided) into the cache's slots (slot_mapping [T] int64; -1 is
 // padding, not written), in attention.h's layout, rounded to the cache's dtype. Slots are distinct, so tokens
@@ -32,6 +80,23 @@ void write_slots(const at::Tensor& k, const at::Tensor& v, KV* cache, const int6
         const float* vr = vp + t * svt + h * svh;
         KV* kh = kb + h * D * bs;
         KV* vh = vb + h * bs * D;
+        if constexpr (Fp8<KV>::kIs) {  // the row's bytes, then placed as the other dtypes' values are
+          uint8_t kf[kMaxFp8HeadDim], vf[kMaxFp8HeadDim];
+          to_fp8<KV>(kr, kf, D);
+          to_fp8<KV>(vr, vf, D);
+          uint8_t* k8 = reinterpret_cast<uint8_t*>(kh);
+          uint8_t* v8 = reinterpret_cast<uint8_t*>(vh);
+          for (int64_t d = 0; d < D; ++d) {
+            if (pairs) {
+              k8[(d / 2) * 2 * bs + at * 2 + d % 2] = kf[d];
+              v8[(at / 2) * 2 * D + d * 2 + at % 2] = vf[d];
+            } else {
+              k8[d * bs + at] = kf[d];
+              v8[at * D + d] = vf[d];
+            }
+          }
+          continue;
+        }
         if (pairs) {  // K[h, d / 2, at, d % 2], V[h, at / 2, d, at % 2]
           int64_t d0 = 0;
 #if defined(__AVX512BF16__) && defined(__AVX512VL__)
@@ -71,12 +136,14 @@ void write_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor& kv_cache, co
               "kiln_cpu::write_kv: slot_mapping must be int64 [T]");
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
   const int64_t bs = kv_cache.size(2);
+  TORCH_CHECK(kv_cache.element_size() > 1 || k.size(2) <= kMaxFp8HeadDim, "kiln_cpu::write_kv: an fp8 cache's head dim must be at most ",
+              kMaxFp8HeadDim);
   switch (kv_cache.scalar_type()) {
     case at::kHalf: write_slots(k, v, kv_cache.data_ptr<c10::Half>(), slots, bs, false); break;
     case at::kBFloat16: write_slots(k, v, kv_cache.data_ptr<c10::BFloat16>(), slots, bs, pairs); break;
     case at::kFloat: write_slots(k, v, kv_cache.data_ptr<float>(), slots, bs, false); break;
-    case at::kFloat8_e4m3fn: write_slots(k, v, kv_cache.data_ptr<c10::Float8_e4m3fn>(), slots, bs, false); break;
-    case at::kFloat8_e5m2: write_slots(k, v, kv_cache.data_ptr<c10::Float8_e5m2>(), slots, bs, false); break;
+    case at::kFloat8_e4m3fn: write_slots(k, v, kv_cache.data_ptr<c10::Float8_e4m3fn>(), slots, bs, pairs); break;
+    case at::kFloat8_e5m2: write_slots(k, v, kv_cache.data_ptr<c10::Float8_e5m2>(), slots, bs, pairs); break;
     default: TORCH_CHECK(false, "kiln_cpu::write_kv: kv_cache must be float32, float16, bfloat16 or fp8");
   }
 }

@@ -28,6 +28,33 @@ inline __m256 load8(const c10::Float8_e4m3fn* p) {
 template <typename T>
 inline float load1(const T* p) { return static_cast<float>(*p); }
 
+#if defined(__AVX512BF16__) && defined(__AVX512VL__)
+// Thirty-two cache values as bfloat16 (a pair layout's sixteen pairs), for the pair dot products; lanes
+// outside `mask` are zero. fp8 widens exactly (every e4m3 and e5m2 value is a bfloat16): a normal one by
+// moving its exponent and mantissa under bfloat16's and rebiasing, a subnormal one from a table.
+inline __m512bh pairs32(const c10::BFloat16* p, __mmask32 mask = ~0u) {
+  return (__m512bh)_mm512_maskz_loadu_epi16(mask, p);
+}
+template <int Mantissa, int Rebias>
+inline __m512bh fp8_pairs32(const void* p, __mmask32 mask, __m512i subnormals) {
+  const __m512i w = _mm512_cvtepu8_epi16(_mm256_maskz_loadu_epi8(mask, p));
+  const __m512i mag = _mm512_and_si512(w, _mm512_set1_epi16(0x7F));
+  const __m512i normal = _mm512_add_epi16(_mm512_slli_epi16(mag, 7 - Mantissa), _mm512_set1_epi16(Rebias << 7));
+  const __mmask32 sub = _mm512_cmplt_epu16_mask(mag, _mm512_set1_epi16(1 << Mantissa));
+  const __m512i value = _mm512_mask_permutexvar_epi16(normal, sub, mag, subnormals);
+  return (__m512bh)_mm512_or_si512(value, _mm512_slli_epi16(_mm512_and_si512(w, _mm512_set1_epi16(0x80)), 8));
+}
+// bfloat16 bits of m * 2^-9 (e4m3) and m * 2^-16 (e5m2), m the subnormal's mantissa.
+inline __m512bh pairs32(const c10::Float8_e4m3fn* p, __mmask32 mask = ~0u) {
+  const __m512i table = _mm512_setr_epi64(0x3BC03B803B000000ll, 0x3C603C403C203C00ll, 0, 0, 0, 0, 0, 0);
+  return fp8_pairs32<3, 120>(p, mask, table);
+}
+inline __m512bh pairs32(const c10::Float8_e5m2* p, __mmask32 mask = ~0u) {
+  const __m512i table = _mm512_setr_epi64(0x3840380037800000ll, 0, 0, 0, 0, 0, 0, 0);
+  return fp8_pairs32<2, 112>(p, mask, table);
+}
+#endif
+
 // e^x for eight lanes (Cephes' expf: range reduction by ln 2, degree-5 polynomial); e^-inf = 0.
 inline __m256 exp8(__m256 x) {
   const __m256 hi = _mm256_set1_ps(88.3762626647949f), lo = _mm256_set1_ps(-88.3762626647949f);
