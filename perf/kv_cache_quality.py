@@ -5,7 +5,10 @@
 - greedy agreement with `auto`: kiln's builtin prompts as chat messages, 64 tokens each; the share of
   replies identical to auto's, and the mean position of the first differing token in the others.
 
-    python perf/kv_cache_quality.py [--text FILE] [--dtypes auto fp8_e4m3 fp8_e5m2] [--json OUT]
+    python perf/kv_cache_quality.py [--text FILE] [--dtype auto] [--dtypes auto fp8_e4m3 ...] [--json OUT]
+
+--dtype is the model's (auto: bfloat16 on a CPU with native bfloat16); --dtypes the caches', the first the
+one the others' replies are compared with.
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ def greedy(llm: LLM, prompts: list[str]) -> list[list[int]]:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--text", type=Path, default=Path("/usr/share/common-licenses/GPL-3"))
+    parser.add_argument("--dtype", default="auto")
     parser.add_argument("--dtypes", nargs="+", default=["auto", "fp8_e4m3", "fp8_e5m2"])
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
@@ -52,7 +56,7 @@ def main() -> None:
     prompts = [json.loads(line)["prompt"] for line in lines]
     results, reference = {}, None
     for dtype in args.dtypes:
-        llm = LLM("default", kv_cache_dtype=dtype, max_model_len=2048)
+        llm = LLM("default", dtype=args.dtype, kv_cache_dtype=dtype, max_model_len=2048)
         ppl, tokens = perplexity(llm, text)
         replies = greedy(llm, prompts)
         reference = reference or replies
