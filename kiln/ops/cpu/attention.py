@@ -16,7 +16,6 @@ import torch
 from kiln.ops.attention import AttnMetadata, StepLayout
 from kiln.ops.cpu import native
 
-
 PAIRED = (torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2)  # fp8 is widened to bfloat16 pairs
 
 

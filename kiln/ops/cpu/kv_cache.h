@@ -17,18 +17,9 @@ struct Fp8<c10::Float8_e5m2> {
   static constexpr int kMantissa = 2, kBias = 15;
 };
 
-// x in the cache's dtype. fp8 saturates at its largest finite value, as vLLM's writers do (e4m3 has no
-// infinity, and c10's conversion makes NaN of what lies beyond).
-template <typename KV>
-inline KV to_cache(float x) {
-  if constexpr (Fp8<KV>::kIs) {
-    const float limit = static_cast<float>(std::numeric_limits<KV>::max());
-    return KV(std::clamp(x, -limit, limit));
-  }
-  return KV(x);
-}
-
-// n floats as fp8 bytes, to_cache's: rounded to nearest even, saturating. With AVX-512, sixteen at a time:
+// n floats as fp8 bytes, rounded to nearest even and saturating at the largest finite value, as
+// kiln.ops.attention.to_cache and vLLM's writers do (e4m3 has no infinity, and c10's conversion makes NaN of
+// what lies beyond). With AVX-512, sixteen at a time:
 // a normal value drops its extra mantissa bits (adding half an ulp, less one unless the kept part is odd;
 // a carry moves the exponent up) and is rebiased; a smaller one is its multiple of the smallest subnormal,
 // rounded to nearest even by the conversion.
@@ -37,14 +28,14 @@ inline void to_fp8(const float* x, uint8_t* out, int64_t n) {
   int64_t i = 0;
 #if defined(__AVX512F__) && defined(__AVX512BW__)
   constexpr int M = Fp8<KV>::kMantissa, B = Fp8<KV>::kBias, drop = 23 - M;
-  const __m512 limit = _mm512_set1_ps(static_cast<float>(std::numeric_limits<KV>::max()));
+  const __m512 top = _mm512_set1_ps(static_cast<float>(std::numeric_limits<KV>::max()));
   const __m512 smallest_normal = _mm512_set1_ps(std::ldexp(1.0f, 1 - B));
   const __m512 per_subnormal = _mm512_set1_ps(std::ldexp(1.0f, B - 1 + M));
   for (; i < n; i += 16) {
     const __mmask16 lanes = n - i >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (n - i)) - 1);
     const __m512 v = _mm512_maskz_loadu_ps(lanes, x + i);
     const __m512i sign = _mm512_and_si512(_mm512_srli_epi32(_mm512_castps_si512(v), 24), _mm512_set1_epi32(0x80));
-    const __m512 a = _mm512_min_ps(_mm512_abs_ps(v), limit);
+    const __m512 a = _mm512_min_ps(_mm512_abs_ps(v), top);
     const __m512i bits = _mm512_castps_si512(a);
     const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, drop), _mm512_set1_epi32(1));
     const __m512i up = _mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32((1 << (drop - 1)) - 1), odd));
@@ -55,7 +46,8 @@ inline void to_fp8(const float* x, uint8_t* out, int64_t n) {
     _mm_mask_storeu_epi8(out + i, lanes, _mm512_cvtepi32_epi8(code));
   }
 #endif
-  for (; i < n; ++i) out[i] = to_cache<KV>(x[i]).x;
+  const float limit = static_cast<float>(std::numeric_limits<KV>::max());
+  for (; i < n; ++i) out[i] = KV(std::clamp(x[i], -limit, limit)).x;
 }
 
 constexpr int64_t kMaxFp8HeadDim = 1024;
@@ -117,8 +109,8 @@ void write_slots(const at::Tensor& k, const at::Tensor& v, KV* cache, const int6
           for (int64_t d = d0; d < D; ++d) kh[(d / 2) * 2 * bs + at * 2 + d % 2] = KV(kr[d]);
           for (int64_t d = d0; d < D; ++d) vh[(at / 2) * 2 * D + d * 2 + at % 2] = KV(vr[d]);
         } else {  // K^T[h, d, at], V[h, at, d]
-          for (int64_t d = 0; d < D; ++d) kh[d * bs + at] = to_cache<KV>(kr[d]);
-          for (int64_t d = 0; d < D; ++d) vh[at * D + d] = to_cache<KV>(vr[d]);
+          for (int64_t d = 0; d < D; ++d) kh[d * bs + at] = KV(kr[d]);
+          for (int64_t d = 0; d < D; ++d) vh[at * D + d] = KV(vr[d]);
         }
       }
     }
@@ -136,8 +128,8 @@ void write_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor& kv_cache, co
               "kiln_cpu::write_kv: slot_mapping must be int64 [T]");
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
   const int64_t bs = kv_cache.size(2);
-  TORCH_CHECK(kv_cache.element_size() > 1 || k.size(2) <= kMaxFp8HeadDim, "kiln_cpu::write_kv: an fp8 cache's head dim must be at most ",
-              kMaxFp8HeadDim);
+  TORCH_CHECK(kv_cache.element_size() > 1 || k.size(2) <= kMaxFp8HeadDim,
+              "kiln_cpu::write_kv: an fp8 cache's head dim must be at most ", kMaxFp8HeadDim);
   switch (kv_cache.scalar_type()) {
     case at::kHalf: write_slots(k, v, kv_cache.data_ptr<c10::Half>(), slots, bs, false); break;
     case at::kBFloat16: write_slots(k, v, kv_cache.data_ptr<c10::BFloat16>(), slots, bs, pairs); break;
