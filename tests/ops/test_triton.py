@@ -84,7 +84,12 @@ def test_rotary_in_place_on_qkv_views(dtype: torch.dtype, neox: bool, rot_dim: i
 
 @pytest.mark.parametrize(
     ("dtype", "cache_dtype"),
-    [*((d, d) for d in DTYPES), (torch.bfloat16, torch.float8_e4m3fn), (torch.float32, torch.float8_e5m2)],
+    [
+        *((d, d) for d in DTYPES),
+        (torch.bfloat16, torch.float16),
+        (torch.bfloat16, torch.float8_e4m3fn),
+        (torch.float32, torch.float8_e5m2),
+    ],
 )
 def test_write_kv_skips_padding_slots(dtype: torch.dtype, cache_dtype: torch.dtype) -> None:
     """The reference's bits, fp8 caches (--kv-cache-dtype) included, saturating past their range. The
