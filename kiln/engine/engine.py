@@ -264,6 +264,23 @@ class LLMEngine:
             self.scheduler.finish(req)
         return result
 
+    @property
+    def cache_info(self) -> dict[str, str]:
+        """vLLM's cache_config_info labels (its CacheConfig's fields as strings), for the ones kiln has."""
+        c, blocks = self.config.cache, self.block_manager.num_blocks
+        gib = c.kv_cache_gib
+        fields = {
+            "block_size": c.block_size,
+            "cache_dtype": c.kv_cache_dtype,
+            "enable_prefix_caching": c.enable_prefix_caching,
+            "gpu_memory_utilization": c.gpu_memory_utilization,
+            "kv_cache_memory_bytes": None if gib is None else int(gib * 2**30),
+            "num_gpu_blocks": blocks,
+            "num_gpu_blocks_override": c.num_gpu_blocks_override,
+            "kv_cache_size_tokens": blocks * (c.block_size or 0),
+        }
+        return {key: str(value) for key, value in fields.items()}
+
     def stats(self) -> dict[str, Any]:
         s, loras = self.scheduler, self.runner.loras
         return {
@@ -276,4 +293,5 @@ class LLMEngine:
             "grammars": self.grammars.stats,
             "lora": None if loras is None else loras.requests_info(s.running, s.waiting),
             "drafts": self.drafts,
+            "cache_config": self.cache_info,
         }

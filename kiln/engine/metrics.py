@@ -78,6 +78,12 @@ class _EngineState(Collector):
             yield info
         if s["drafts"] is not None:
             yield from _draft_counters(self.model_name, s["drafts"])
+        labels = {"engine": "0", **s["cache_config"]}
+        info = GaugeMetricFamily(
+            "kiln:cache_config_info", "Information of the LLMEngine CacheConfig", labels=list(labels)
+        )
+        info.add_metric(list(labels.values()), 1)
+        yield info
         histogram = HistogramMetricFamily(
             "kiln:grammar_compile_seconds", "Time to compile a grammar.", labels=["model_name"]
         )

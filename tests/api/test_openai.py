@@ -394,6 +394,12 @@ def test_metrics(client: openai.OpenAI, server: Server) -> None:
     assert metric(server, "kiln:generation_tokens_total") >= 4
     assert metric(server, "kiln:prefix_cache_hits_total") > 0  # the chat template's system prompt repeats
     assert metric(server, "kiln:e2e_request_latency_seconds_count") >= 1
+    [labels] = re.findall(r"^kiln:cache_config_info\{(.*)\} 1\.0$", text, re.M)
+    info = dict(re.findall(r'(\w+)="([^"]*)"', labels))
+    assert {k: info[k] for k in ("engine", "block_size", "cache_dtype", "enable_prefix_caching")} == {
+        "engine": "0", "block_size": "32", "cache_dtype": "auto", "enable_prefix_caching": "True"
+    }  # fmt: skip
+    assert int(info["kv_cache_size_tokens"]) == 32 * int(info["num_gpu_blocks"]) > 0
 
 
 PHASES = ["queue_time", "prefill_time", "decode_time", "inference_time"]
