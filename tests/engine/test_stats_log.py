@@ -19,7 +19,14 @@ def state(running: int = 0, waiting: int = 0, queries: int = 0, hits: int = 0) -
 def test_rates_over_the_span_and_quiet_when_idle() -> None:
     metrics = Metrics(
         "m",
-        lambda: {**state(), "preemptions": 0, "grammars": GrammarStats(), "lora": None, "drafts": None},
+        lambda: {
+            **state(),
+            "preemptions": 0,
+            "grammars": GrammarStats(),
+            "lora": None,
+            "drafts": None,
+            "cache_config": {"block_size": "16"},
+        },
         512,
     )
     log = StatsLog(metrics, at=100.0)
