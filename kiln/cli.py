@@ -93,7 +93,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     clock = time.perf_counter()  # the serving stack's imports (torch, dynamo, transformers, the server)
     from kiln.api.middleware import own
-    from kiln.api.server import listen, run
+    from kiln.api.server import address, listen, run
     from kiln.engine.tokenizer import chat_template
     from kiln.models.loader import resolve_model
     from kiln.ops.cpu import threads
@@ -110,10 +110,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except (OSError, ValueError) as e:
         parser.exit(1, f"{parser.prog}: error: {e}\n")
     s = config.server
+    where = address(s.host, s.port, s.uds)
     try:
-        sock = listen(s.host, s.port)
+        sock = listen(where)
     except OSError as e:
-        parser.exit(1, f"{parser.prog}: error: cannot listen on {s.host}:{s.port}: {e.strerror or e}\n")
+        parser.exit(1, f"{parser.prog}: error: cannot listen on {where}: {e.strerror or e}\n")
     return run(config, sock, args.started, imports)
 
 

@@ -56,6 +56,7 @@ SERVE_FLAGS: dict[str, tuple[str, str, dict]] = {
     "--chat-template": ("model", "chat_template", {"metavar": "FILE_OR_TEMPLATE"}),
     "--host": ("server", "host", {}),
     "--port": ("server", "port", {"type": int}),
+    "--uds": ("server", "uds", {"metavar": "PATH", "help": "serve on a Unix domain socket, not host:port"}),
     "--api-key": (
         "server",
         "api_key",

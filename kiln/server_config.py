@@ -22,6 +22,7 @@ class LoraModule(Section):
 class ServerConfig(Section):
     host: str = "127.0.0.1"
     port: Annotated[int, Meta(ge=0, le=65535)] = 8000
+    uds: str | None = None  # vLLM's --uds: serve on this Unix domain socket; host and port are then unused
     api_key: str | list[str] | None = None  # when set, /v1/* needs "Authorization: Bearer <one of them>"
     served_model_name: str | list[str] | None = None  # the model's names, the first reported; null: its own
     # Seconds SIGTERM waits for requests in flight, refusing new ones (--shutdown-timeout; 0 aborts them).

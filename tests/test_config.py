@@ -76,6 +76,7 @@ def test_missing_file() -> None:
         (["--enable-auto-tool-choice"], "server.enable_auto_tool_choice needs server.tool_call_parser"),
         (["--tool-call-parser", "nope"], "invalid choice: 'nope'"),
         (["--kv-cache-dtype", "fp8_inc"], "argument --kv-cache-dtype: invalid choice: 'fp8_inc'"),
+        (["--uds", "/no/such/dir/kiln.sock"], "cannot listen on unix:/no/such/dir/kiln.sock: No such file"),
         (
             ["--chat-template", "no/such/template.jinja"],
             "model.chat_template: 'no/such/template.jinja' is neither",

@@ -157,7 +157,7 @@ class App:
     def _log_ready(self) -> None:
         assert self.engine is not None
         s = self.config.server
-        url = f"{'https' if s.ssl_certfile else 'http'}://{s.host}:{s.port}"
+        url = f"unix:{s.uds}" if s.uds else f"{'https' if s.ssl_certfile else 'http'}://{s.host}:{s.port}"
         total = time.perf_counter() - self.started
         timings = {"imports": self.imports, **self.engine.timings}
         parts = ", ".join(f"{k.replace('_', ' ')} {v:.2f} s" for k, v in timings.items())

@@ -34,11 +34,17 @@ class _Unlogged(logging.Filter):
         return path not in self.paths
 
 
-def listen(host: str, port: int) -> socket.socket:
+def address(host: str, port: int, uds: str | None) -> str:
+    """Hypercorn's name for where the server listens: host:port, or unix:PATH (--uds)."""
+    return f"unix:{uds}" if uds is not None else f"{host}:{port}"
+
+
+def listen(where: str) -> socket.socket:
     """The server's socket, bound by Hypercorn before anything loads (as vLLM binds first): a port in use
-    is an OSError here, in a second, and never a traceback after the engine has started loading."""
+    is an OSError here, in a second, and never a traceback after the engine has started loading. A Unix
+    socket's stale file is replaced."""
     hc = HypercornConfig()
-    hc.bind = [f"{host}:{port}"]
+    hc.bind = [where]
     return hc.create_sockets().insecure_sockets[0]
 
 

@@ -58,14 +58,21 @@ class Server:
 
 
 def start_server(
-    tmp: Path, config: dict, *flags: str, env: dict[str, str] | None = None, tls: ssl.SSLContext | None = None
+    tmp: Path,
+    config: dict,
+    *flags: str,
+    env: dict[str, str] | None = None,
+    tls: ssl.SSLContext | None = None,
+    uds: Path | None = None,
 ) -> Server:
-    """tls: the server speaks HTTPS, to clients that trust what this context trusts."""
+    """tls: the server speaks HTTPS, to clients that trust what this context trusts. uds: it listens on this
+    Unix socket (--uds) instead of its port."""
     config_path = tmp / "serve.yaml"
     config_path.write_text(yaml.safe_dump(config))
     port = free_port()
     log = tmp / "server.log"
     cmd = [sys.executable, "-m", "kiln", "serve", "--config", str(config_path), "--port", str(port), *flags]
+    cmd += [] if uds is None else ["--uds", str(uds)]
     with log.open("wb") as out:
         proc = subprocess.Popen(
             cmd,
@@ -80,7 +87,9 @@ def start_server(
         if proc.poll() is not None:
             raise RuntimeError(f"kiln serve exited with {proc.returncode}:\n{server.output()}")
         try:
-            status = httpx.get(f"{server.url}/health", timeout=5, verify=tls or True).status_code
+            transport = None if uds is None else httpx.HTTPTransport(uds=str(uds))
+            with httpx.Client(transport=transport, verify=tls or True, timeout=5) as client:
+                status = client.get(f"{server.url}/health").status_code
         except httpx.TransportError:
             time.sleep(0.1)
             continue

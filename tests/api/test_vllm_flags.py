@@ -7,11 +7,13 @@ template refused where the server does not trust it."""
 from __future__ import annotations
 
 import json
+import socket
 import ssl
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
+import openai
 import pytest
 
 from tests.api.server import AUTH, Server, expect_error, post, start_server
@@ -104,8 +106,12 @@ def test_a_trusted_request_template_with_the_default_kwargs_under_its_own(
 
 def test_the_kv_cache_is_fp8_and_serves(flagged: Server, trust: ssl.SSLContext) -> None:
     out = flagged.output()
-    assert "KV blocks of 32 tokens (float8_e4m3fn)" in out and "KV cache in fp8_e4m3 with a scale of 1.0" in out
-    r = call(flagged, trust, "/v1/completions", {"prompt": "hello " * 40, "max_tokens": 8, "ignore_eos": True})
+    assert (
+        "KV blocks of 32 tokens (float8_e4m3fn)" in out and "KV cache in fp8_e4m3 with a scale of 1.0" in out
+    )
+    r = call(
+        flagged, trust, "/v1/completions", {"prompt": "hello " * 40, "max_tokens": 8, "ignore_eos": True}
+    )
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 8
 
 
@@ -113,6 +119,30 @@ def test_the_access_log_is_off_and_remote_code_is_named(flagged: Server) -> None
     out = flagged.output()
     assert '"POST /tokenize' not in out and '"GET /v1/models' not in out
     assert "--trust-remote-code changes nothing" in out
+
+
+def test_a_unix_socket_serves_the_sdk(tmp_path: Path, default_model_dir: Path) -> None:
+    """--uds: the server listens on the socket (replacing a stale one) and nowhere else."""
+    model = build_default_vocab(tmp_path / "tiny", default_model_dir)
+    uds = tmp_path / "kiln.sock"
+    stale = socket.socket(socket.AF_UNIX)
+    stale.bind(str(uds))
+    stale.close()  # the file stays
+    config = {"model": {"model": str(model), "max_model_len": 128}, "compile": {"mode": "eager"}}
+    srv = start_server(tmp_path, config, uds=uds)
+    try:
+        http = httpx.Client(transport=httpx.HTTPTransport(uds=str(uds)))
+        client = openai.OpenAI(base_url="http://localhost/v1", api_key="none", http_client=http)
+        [served] = client.models.list().data
+        reply = client.completions.create(
+            model=served.id, prompt="hello", max_tokens=3, extra_body={"ignore_eos": True}
+        )
+        assert reply.usage.completion_tokens == 3
+        with pytest.raises(httpx.ConnectError):
+            httpx.get(f"{srv.url}/health")  # its port is not open
+        assert f"kiln is ready at unix:{uds}" in srv.output()
+    finally:
+        assert srv.stop() == 0, srv.output()
 
 
 def test_an_untrusted_request_template_is_refused(tiny_server: Server) -> None:
