@@ -267,15 +267,17 @@ class AsyncEngine:
             self._built.set_result(engine)  # type: ignore[arg-type]
 
     def _dispatch(self, outputs: list[RequestOutput], now: float) -> None:
+        tokens = 0
         for out in outputs:
             stream = self._streams.get(out.request_id)
             if stream is None:  # aborted while the step ran
                 continue
             self._prefilled(stream)
-            self.metrics.observe(stream, out, now)
+            tokens += self.metrics.observe(stream, out, now)
             if out.finished:
                 self._untrack(out.request_id)
             stream.queue.put_nowait(out)
+        self.metrics.step(tokens)
 
     def _fail(self, request_id: str, error: BaseException) -> None:
         stream = self._untrack(request_id)

@@ -22,6 +22,21 @@ TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75
 ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1, 2.5, 5, 10, 20, 40)
 E2E_BUCKETS = (0.3, 0.5, 0.8, 1, 1.5, 2, 2.5, 5, 10, 15, 20, 30, 40, 50, 60, 120, 240, 480, 960, 1920)
 N_BUCKETS = (1, 2, 5, 10, 20)
+ITERATION_BUCKETS = (
+    1,
+    8,
+    16,
+    32,
+    64,
+    128,
+    256,
+    512,
+    1024,
+    2048,
+    4096,
+    8192,
+    16384,
+)  # vLLM's, per engine step
 
 
 def tokens_buckets(max_model_len: int) -> tuple[float, ...]:
@@ -130,6 +145,10 @@ class Metrics:
 
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens processed.").labels(model_name)
         self.generation_tokens = counter("generation_tokens", "Tokens generated.").labels(model_name)
+        self.cached_tokens = counter("prompt_tokens_cached", "Prompt tokens found cached.").labels(model_name)
+        self.iteration_tokens = histogram(
+            "iteration_tokens_total", "Prompt and generated tokens per engine step.", ITERATION_BUCKETS
+        ).labels(model_name)
         self._success = counter("request_success", "Finished requests by reason.", ("finished_reason",))
         self.ttft = histogram("time_to_first_token_seconds", "Arrival to first token.", TTFT_BUCKETS).labels(
             model_name
@@ -150,6 +169,12 @@ class Metrics:
         self.output_len = per_request("generation_tokens", "Tokens a request generated.", tokens)
         self.n = per_request("params_n", "A request's n.", N_BUCKETS)
         self.max_tokens = per_request("params_max_tokens", "A request's max_tokens.", tokens)
+        self.computed = per_request(
+            "prefill_kv_computed_tokens", "Prompt tokens computed, not cached.", tokens
+        )
+        self.tpot = per_request(
+            "time_per_output_token_seconds", "A request's mean gap between tokens.", ITL_BUCKETS
+        )
         # vLLM's: requests refused by the scheduler's queue limits (a 503), by the limit; both start at 0.
         self._rejected = counter("admission_rejections", "Requests over a queue limit.", ("reason",))
         for reason in REASONS:
@@ -162,16 +187,19 @@ class Metrics:
     def finished(self, reason: str) -> None:
         self._success.labels(self.model_name, reason).inc()
 
-    def observe(self, stream: RequestStream, out: RequestOutput, now: float) -> None:
+    def observe(self, stream: RequestStream, out: RequestOutput, now: float) -> int:
         """One output of a request, on the event loop (now: time.monotonic, the engine's clock too): its
-        tokens and their gaps, its finished sequences, and once it is done its phases and sizes."""
+        tokens and their gaps, its finished sequences, and once it is done its phases and sizes. Returns
+        the tokens it counted (its prompt's, at its first output, and the new ones), for the step's."""
         new_tokens = sum(len(o.token_ids) for o in out.outputs)
-        if out.embedding is not None:
+        counted = new_tokens
+        if out.embedding is not None or (new_tokens and stream.num_tokens == 0):
             self.prompt_tokens.inc(len(out.prompt_token_ids))
+            self.cached_tokens.inc(out.num_cached_tokens)
+            counted += len(out.prompt_token_ids)
         if new_tokens:
             if stream.num_tokens == 0:
                 self.ttft.observe(now - stream.arrival)
-                self.prompt_tokens.inc(len(out.prompt_token_ids))
                 stream.first_token_at = now
             else:
                 self.itl.observe(now - stream.last_token_at)
@@ -184,6 +212,12 @@ class Metrics:
         if out.finished:
             self.e2e.observe(now - stream.arrival)
             self._request(stream, out, now)
+        return counted
+
+    def step(self, tokens: int) -> None:
+        """An engine step's outputs, counted by observe."""
+        if tokens:
+            self.iteration_tokens.observe(tokens)
 
     def _request(self, stream: RequestStream, out: RequestOutput, now: float) -> None:
         """A finished request's phases and sizes."""
@@ -193,7 +227,10 @@ class Metrics:
             if stream.first_token_at:
                 self.prefill_time.observe(stream.first_token_at - out.scheduled_at)
                 self.decode_time.observe(now - stream.first_token_at)
+                if stream.num_tokens > 1:
+                    self.tpot.observe((now - stream.first_token_at) / (stream.num_tokens - 1))
         self.prompt_len.observe(len(out.prompt_token_ids))
+        self.computed.observe(len(out.prompt_token_ids) - out.num_cached_tokens)
         self.output_len.observe(stream.num_tokens)
         p = stream.params
         if isinstance(p, SamplingParams):

@@ -410,14 +410,18 @@ def test_request_phase_metrics(client: openai.OpenAI, server: Server) -> None:
     """vLLM's per-request histograms: a request's queue, prefill and decode times add up to its latency,
     and its sizes are counted once."""
     names = [f"kiln:request_{p}_seconds" for p in PHASES] + [f"kiln:request_{s}" for s in SIZES]
-    names.append("kiln:e2e_request_latency_seconds")
+    names += ["kiln:e2e_request_latency_seconds", "kiln:request_prefill_kv_computed_tokens"]
+    names += ["kiln:request_time_per_output_token_seconds", "kiln:iteration_tokens_total"]
+    totals = ["kiln:prompt_tokens_total", "kiln:prompt_tokens_cached_total", "kiln:generation_tokens_total"]
     before = {n: (metric(server, f"{n}_count"), metric(server, f"{n}_sum")) for n in names}
+    before_totals = {n: metric(server, n) for n in totals}
     r = client.completions.create(
         model=MODEL, prompt="Count: 1, 2, 3,", max_tokens=5, n=2, extra_body={"ignore_eos": True}
     )
     after = {n: (metric(server, f"{n}_count"), metric(server, f"{n}_sum")) for n in names}
     count = {n: after[n][0] - before[n][0] for n in names}
     total = {n: after[n][1] - before[n][1] for n in names}
+    steps = count.pop("kiln:iteration_tokens_total")
     assert all(c == 1 for c in count.values()), count
     assert total["kiln:request_prompt_tokens"] == r.usage.prompt_tokens
     assert total["kiln:request_generation_tokens"] == 10
@@ -425,6 +429,15 @@ def test_request_phase_metrics(client: openai.OpenAI, server: Server) -> None:
     queue, prefill, decode, inference = (total[f"kiln:request_{p}_seconds"] for p in PHASES)
     assert min(queue, prefill, decode) >= 0 and inference == pytest.approx(prefill + decode, abs=1e-6)
     assert queue + inference <= total["kiln:e2e_request_latency_seconds"] + 1e-6
+    assert total["kiln:request_time_per_output_token_seconds"] == pytest.approx(decode / 9)
+    # The step histogram holds the prompt and generated tokens the counters took, over at least 5 steps;
+    # the tokens computed are the prompt's, less those found cached.
+    prompt, cached, generated = (metric(server, n) - before_totals[n] for n in totals)
+    assert (
+        steps >= 5
+        and total["kiln:iteration_tokens_total"] == prompt + generated == r.usage.prompt_tokens + 10
+    )
+    assert total["kiln:request_prefill_kv_computed_tokens"] == r.usage.prompt_tokens - cached
 
 
 def test_concurrent_streams_with_early_close(server: Server) -> None:
