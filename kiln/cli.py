@@ -54,6 +54,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 def _load_config(args: argparse.Namespace) -> ServeConfig:
     """--config with the SERVE_FLAGS given on the command line laid over it; usage errors name the key."""
+    import msgspec
+
     from kiln.config_file import ConfigError, load_serve_config
 
     parser: argparse.ArgumentParser = args.parser
@@ -72,6 +74,10 @@ def _load_config(args: argparse.Namespace) -> ServeConfig:
         overrides.setdefault("compile", {})["mode"] = "eager"
     try:
         config = load_serve_config(args.config, overrides)
+        if config.server.api_key is None and (key := os.environ.get("VLLM_API_KEY")):  # vLLM's fallback
+            config = msgspec.structs.replace(
+                config, server=msgspec.structs.replace(config.server, api_key=key)
+            )
         config.check_supported()
     except ConfigError as e:
         parser.error(str(e))

@@ -10,6 +10,8 @@ import torch
 # defined, so it is set before any test imports kiln.ops.triton.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# A key in the caller's environment would guard every test server that sets none (vLLM's fallback).
+os.environ.pop("VLLM_API_KEY", None)
 
 from tests.api.server import API_KEY, Server, start_server
 

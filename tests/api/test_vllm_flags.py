@@ -122,17 +122,21 @@ def test_the_access_log_is_off_and_remote_code_is_named(flagged: Server) -> None
 
 
 def test_a_unix_socket_serves_the_sdk(tmp_path: Path, default_model_dir: Path) -> None:
-    """--uds: the server listens on the socket (replacing a stale one) and nowhere else."""
+    """--uds: the server listens on the socket (replacing a stale one) and nowhere else. No --api-key:
+    VLLM_API_KEY's key is required, as vLLM requires it."""
     model = build_default_vocab(tmp_path / "tiny", default_model_dir)
     uds = tmp_path / "kiln.sock"
     stale = socket.socket(socket.AF_UNIX)
     stale.bind(str(uds))
     stale.close()  # the file stays
     config = {"model": {"model": str(model), "max_model_len": 128}, "compile": {"mode": "eager"}}
-    srv = start_server(tmp_path, config, uds=uds)
+    srv = start_server(tmp_path, config, uds=uds, env={"VLLM_API_KEY": "from-the-environment"})
     try:
         http = httpx.Client(transport=httpx.HTTPTransport(uds=str(uds)))
-        client = openai.OpenAI(base_url="http://localhost/v1", api_key="none", http_client=http)
+        assert http.get("http://localhost/v1/models").status_code == 401
+        client = openai.OpenAI(
+            base_url="http://localhost/v1", api_key="from-the-environment", http_client=http
+        )
         [served] = client.models.list().data
         reply = client.completions.create(
             model=served.id, prompt="hello", max_tokens=3, extra_body={"ignore_eos": True}
