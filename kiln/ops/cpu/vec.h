@@ -29,15 +29,16 @@ template <typename T>
 inline float load1(const T* p) { return static_cast<float>(*p); }
 
 #if defined(__AVX512BF16__) && defined(__AVX512VL__)
-// Thirty-two cache values as bfloat16 (a pair layout's sixteen pairs), for the pair dot products; lanes
-// outside `mask` are zero. fp8 widens exactly (every e4m3 and e5m2 value is a bfloat16): a normal one by
+// Thirty-two cache values as bfloat16 (a pair layout's sixteen pairs), for the pair dot products; with a mask,
+// lanes outside it are zero. fp8 widens exactly (every e4m3 and e5m2 value is a bfloat16): a normal one by
 // moving its exponent and mantissa under bfloat16's and rebiasing, a subnormal one from a table.
-inline __m512bh pairs32(const c10::BFloat16* p, __mmask32 mask = ~0u) {
+inline __m512bh pairs32(const c10::BFloat16* p) { return (__m512bh)_mm512_loadu_si512(p); }
+inline __m512bh pairs32(const c10::BFloat16* p, __mmask32 mask) {
   return (__m512bh)_mm512_maskz_loadu_epi16(mask, p);
 }
 template <int Mantissa, int Rebias>
-inline __m512bh fp8_pairs32(const void* p, __mmask32 mask, __m512i subnormals) {
-  const __m512i w = _mm512_cvtepu8_epi16(_mm256_maskz_loadu_epi8(mask, p));
+inline __m512bh widen_fp8(__m256i bytes, __m512i subnormals) {
+  const __m512i w = _mm512_cvtepu8_epi16(bytes);
   const __m512i mag = _mm512_and_si512(w, _mm512_set1_epi16(0x7F));
   const __m512i normal = _mm512_add_epi16(_mm512_slli_epi16(mag, 7 - Mantissa), _mm512_set1_epi16(Rebias << 7));
   const __mmask32 sub = _mm512_cmplt_epu16_mask(mag, _mm512_set1_epi16(1 << Mantissa));
@@ -45,13 +46,19 @@ inline __m512bh fp8_pairs32(const void* p, __mmask32 mask, __m512i subnormals) {
   return (__m512bh)_mm512_or_si512(value, _mm512_slli_epi16(_mm512_and_si512(w, _mm512_set1_epi16(0x80)), 8));
 }
 // bfloat16 bits of m * 2^-9 (e4m3) and m * 2^-16 (e5m2), m the subnormal's mantissa.
-inline __m512bh pairs32(const c10::Float8_e4m3fn* p, __mmask32 mask = ~0u) {
-  const __m512i table = _mm512_setr_epi64(0x3BC03B803B000000ll, 0x3C603C403C203C00ll, 0, 0, 0, 0, 0, 0);
-  return fp8_pairs32<3, 120>(p, mask, table);
+inline __m512bh widen(const c10::Float8_e4m3fn*, __m256i bytes) {
+  return widen_fp8<3, 120>(bytes, _mm512_setr_epi64(0x3BC03B803B000000ll, 0x3C603C403C203C00ll, 0, 0, 0, 0, 0, 0));
 }
-inline __m512bh pairs32(const c10::Float8_e5m2* p, __mmask32 mask = ~0u) {
-  const __m512i table = _mm512_setr_epi64(0x3840380037800000ll, 0, 0, 0, 0, 0, 0, 0);
-  return fp8_pairs32<2, 112>(p, mask, table);
+inline __m512bh widen(const c10::Float8_e5m2*, __m256i bytes) {
+  return widen_fp8<2, 112>(bytes, _mm512_setr_epi64(0x3840380037800000ll, 0, 0, 0, 0, 0, 0, 0));
+}
+template <typename KV>
+inline __m512bh pairs32(const KV* p) {
+  return widen(p, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+template <typename KV>
+inline __m512bh pairs32(const KV* p, __mmask32 mask) {
+  return widen(p, _mm256_maskz_loadu_epi8(mask, p));
 }
 #endif
 
