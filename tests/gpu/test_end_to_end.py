@@ -4,6 +4,7 @@ dim, the torch attention otherwise) against the CPU fp32 run, on every architect
 from pathlib import Path
 
 import pytest
+import torch
 
 from kiln import LLM, SamplingParams
 from kiln.compile.reports import compile_counters
@@ -56,6 +57,23 @@ def test_decodes_beyond_the_largest_cuda_graph_run_compiled(tmp_path: Path) -> N
     assert compile_counters() == before
     assert gpu.engine.runner.lowering.misses == 0
     assert_greedy_agrees(got, [o.outputs[0] for o in cpu.generate(prompts, params, use_tqdm=False)])
+
+
+def test_fp8_cache_greedy_tokens_match_cpu(tmp_path: Path) -> None:
+    """--kv-cache-dtype fp8 on the GPU (FlashInfer reading e4m3, the Triton writer rounding to it) against
+    the CPU's fp32 run on an e4m3 cache too (tests/models/test_kv_cache_dtype.py holds that one against
+    transformers): equal up to a near-tie of the CPU's, nothing compiled after ready."""
+    build("llama", tmp_path, 128)
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=5)
+    cpu = LLM(
+        str(tmp_path), dtype="float32", kv_cache_gib=0.01, mode="eager", device="cpu", kv_cache_dtype="fp8"
+    )
+    gpu = LLM(str(tmp_path), **GPU_OPTIONS, kv_cache_dtype="fp8")
+    assert gpu.engine.backend.attention == "flashinfer"
+    assert {c.dtype for c in gpu.engine.runner.kv_caches} == {torch.float8_e4m3fn}
+    got = [o.outputs[0].token_ids for o in gpu.generate(PROMPTS, params, use_tqdm=False)]
+    assert_greedy_agrees(got, [o.outputs[0] for o in cpu.generate(PROMPTS, params, use_tqdm=False)])
+    assert gpu.engine.runner.lowering.misses == 0
 
 
 def assert_greedy_agrees(got: list[list[int]], want: list[CompletionOutput]) -> int:
