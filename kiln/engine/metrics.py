@@ -167,6 +167,9 @@ class Metrics:
         self.inference_time = per_request("inference_time_seconds", "First scheduled to finish.", seconds)
         self.prompt_len = per_request("prompt_tokens", "Prompt tokens of a request.", tokens)
         self.output_len = per_request("generation_tokens", "Tokens a request generated.", tokens)
+        self.longest = per_request(
+            "max_num_generation_tokens", "A request's longest sequence, in tokens.", tokens
+        )
         self.n = per_request("params_n", "A request's n.", N_BUCKETS)
         self.max_tokens = per_request("params_max_tokens", "A request's max_tokens.", tokens)
         self.computed = per_request(
@@ -207,6 +210,7 @@ class Metrics:
             stream.num_tokens += new_tokens
             stream.last_token_at = now
         for o in out.outputs:
+            stream.seq_tokens[o.index] = stream.seq_tokens.get(o.index, 0) + len(o.token_ids)
             if o.finished:
                 self.finished(o.finish_reason or "abort")
         if out.finished:
@@ -232,6 +236,7 @@ class Metrics:
         self.prompt_len.observe(len(out.prompt_token_ids))
         self.computed.observe(len(out.prompt_token_ids) - out.num_cached_tokens)
         self.output_len.observe(stream.num_tokens)
+        self.longest.observe(max(stream.seq_tokens.values(), default=0))
         p = stream.params
         if isinstance(p, SamplingParams):
             self.n.observe(p.n)

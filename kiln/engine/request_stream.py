@@ -25,6 +25,7 @@ class RequestStream:
     first_token_at: float = 0.0
     last_token_at: float = 0.0
     num_tokens: int = 0
+    seq_tokens: dict[int, int] = field(default_factory=dict)  # tokens by sequence index (n > 1: several)
     finished: bool = False
     prefill_tokens: int = 0  # prompt tokens x n until its first output, for max_num_queued_tokens
     prompt_token_ids: list[int] = field(default_factory=list)

@@ -412,6 +412,7 @@ def test_request_phase_metrics(client: openai.OpenAI, server: Server) -> None:
     names = [f"kiln:request_{p}_seconds" for p in PHASES] + [f"kiln:request_{s}" for s in SIZES]
     names += ["kiln:e2e_request_latency_seconds", "kiln:request_prefill_kv_computed_tokens"]
     names += ["kiln:request_time_per_output_token_seconds", "kiln:iteration_tokens_total"]
+    names.append("kiln:request_max_num_generation_tokens")
     totals = ["kiln:prompt_tokens_total", "kiln:prompt_tokens_cached_total", "kiln:generation_tokens_total"]
     before = {n: (metric(server, f"{n}_count"), metric(server, f"{n}_sum")) for n in names}
     before_totals = {n: metric(server, n) for n in totals}
@@ -425,6 +426,7 @@ def test_request_phase_metrics(client: openai.OpenAI, server: Server) -> None:
     assert all(c == 1 for c in count.values()), count
     assert total["kiln:request_prompt_tokens"] == r.usage.prompt_tokens
     assert total["kiln:request_generation_tokens"] == 10
+    assert total["kiln:request_max_num_generation_tokens"] == 5  # each of the two sequences' 5
     assert (total["kiln:request_params_n"], total["kiln:request_params_max_tokens"]) == (2, 5)
     queue, prefill, decode, inference = (total[f"kiln:request_{p}_seconds"] for p in PHASES)
     assert min(queue, prefill, decode) >= 0 and inference == pytest.approx(prefill + decode, abs=1e-6)
