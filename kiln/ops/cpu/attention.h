@@ -626,6 +626,31 @@ constexpr auto attend_table(std::index_sequence<I...>) {
   return std::array{&attend<KV, int(I) + 1, Pairs>...};
 }
 
+#if defined(__AVX512BF16__) && defined(__AVX512VL__)
+// The blocks B requests read (their tables' first ceil(seq_len / bs) columns) widened from fp8 to bfloat16,
+// each once, in order of first use; `table` gets the requests' tables renumbered to the copy (width as L's).
+template <typename KV>
+at::Tensor widen_blocks(const KV* kv, const Layout& L, int64_t B, int64_t cache_blocks, std::vector<int32_t>& table) {
+  std::vector<int32_t> slot(cache_blocks, -1), used;
+  table.assign(L.table, L.table + B * L.table_width);
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t j = 0; j < (L.seq_lens[b] + L.bs - 1) / L.bs; ++j) {
+      int32_t& at = table[b * L.table_width + j];
+      if (slot[at] < 0) slot[at] = int32_t(used.size()), used.push_back(at);
+      at = slot[at];
+    }
+  const int64_t block = 2 * L.bs * L.kvh_count * L.D;  // values per block, a multiple of 32 (bs of 8, D even)
+  at::Tensor out = at::empty({int64_t(used.size()), block}, at::TensorOptions().dtype(at::kBFloat16));
+  c10::BFloat16* dst = out.data_ptr<c10::BFloat16>();
+  at::parallel_for(0, int64_t(used.size()), 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i)
+      for (int64_t e = 0; e < block; e += 32)
+        _mm512_storeu_si512(dst + i * block + e, (__m512i)pairs32(kv + int64_t(used[i]) * block + e));
+  });
+  return out;
+}
+#endif
+
 // q [T, H, D] float32; kv_cache [blocks, 2, bs, KVH, D] in the layout above; query_start_loc [B+1],
 // seq_lens [B] and block_table [B, W] int32. Each request's rows are its last q_len positions; rows past
 // the last request (padding) are zero.
@@ -654,7 +679,7 @@ at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& kv_cache, c
   out.narrow(0, used_rows, T - used_rows).zero_();
   // Groups of consecutive rows of one request, as many as fill a pass with the group's heads:
   // (request, first row, rows), request by request (request b's are [first[b], first[b + 1])).
-  const bool tiles = pairs && amx_attention(L.bs, D);
+  const bool tiles = pairs && dtype == at::kBFloat16 && amx_attention(L.bs, D);  // an fp8 cache's pass is vectors
   const int64_t pass_rows = tiles ? 32 : kPassRows;
   const int64_t span = std::max<int64_t>(1, pass_rows / L.group);
   std::vector<std::array<int64_t, 3>> groups;
@@ -737,8 +762,23 @@ at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& kv_cache, c
 #endif
     }
   };
+  // An fp8 cache under a prefill chunk (a request of more rows than a pass takes): each of the chunk's passes
+  // would widen every block it reads, so the blocks the call reads are widened to bfloat16 once, into a copy
+  // in the same layout, and the pairs run on it: the same values, so the same bits as reading fp8 directly.
+  at::Tensor widened;
+  std::vector<int32_t> table;
   auto either = [&](auto* kv) {
 #if defined(__AVX512BF16__) && defined(__AVX512VL__)
+    using KV = std::remove_const_t<std::remove_pointer_t<decltype(kv)>>;
+    if constexpr (!std::is_same_v<KV, c10::BFloat16>) {
+      bool chunked = false;
+      for (int64_t b = 0; b < B; ++b) chunked |= L.qsl[b + 1] - L.qsl[b] > span;
+      if (pairs && chunked) {
+        widened = widen_blocks(kv, L, B, kv_cache.size(0), table);
+        L.table = table.data();
+        return run(widened.data_ptr<c10::BFloat16>(), std::true_type{});
+      }
+    }
     if (pairs) return run(kv, std::true_type{});
 #endif
     run(kv, std::false_type{});
