@@ -1,13 +1,15 @@
 """CPU paged attention as a decode step meets it: one call per layer over 30 layers, each layer with its
 own 36 MB KV cache (the default model's 1 GiB), blocks scattered at random, so K/V come from DRAM. `--hot`
 reuses one layer's cache for all 30 (K/V from cache), the way a single-call microbenchmark sees it.
-`--prefill N [N ...]` times a causal prefill of N tokens instead, in 2,048-token chunks as the engine
-runs it: one layer's calls, times 30. `--dtype` sets the cache's dtype: by default float16 for decode
-steps, bfloat16 for prefills; bfloat16 and fp8 (--kv-cache-dtype's fp8_e4m3, fp8_e5m2) keep K and V in
-pairs where the kernels have AVX512-BF16. `--block-size` sets the cache's (32, kiln's CPU default: AMX
-passes need blocks of 32; blocks of 16 take the AVX512-BF16 kernel).
+`--prefill N [N ...]` times a causal prefill of N tokens instead, in calls of `--chunk` tokens (2,048; the
+engine's on this CPU are 128, its long_prefill_token_threshold): one layer's calls, times 30. `--dtype` sets
+the cache's dtype: by default float16 for decode steps, bfloat16 for prefills; bfloat16 and fp8
+(--kv-cache-dtype's fp8_e4m3, fp8_e5m2) keep K and V in pairs where the kernels have AVX512-BF16.
+`--block-size` sets the cache's (32, kiln's CPU default: AMX passes need blocks of 32; blocks of 16 take
+the AVX512-BF16 kernel).
 
-    .venv/bin/python perf/cpu_attention.py [--hot] [--dtype float16|bfloat16|fp8_e4m3|fp8_e5m2] [--prefill N]
+    .venv/bin/python perf/cpu_attention.py [--hot] [--dtype float16|bfloat16|fp8_e4m3|fp8_e5m2]
+    .venv/bin/python perf/cpu_attention.py --prefill 1900 [--chunk 128] [--dtype ...]
 """
 
 from __future__ import annotations
@@ -33,11 +35,12 @@ def main() -> None:
     ap.add_argument("--prefill", type=int, nargs="+", default=[])
     ap.add_argument("--dtype", choices=["float16", "bfloat16", "fp8_e4m3", "fp8_e5m2"])
     ap.add_argument("--block-size", type=int, default=32)
+    ap.add_argument("--chunk", type=int, default=2048, help="prefill tokens per call")
     args = ap.parse_args()
     native.load()
     block = args.block_size
     if args.prefill:
-        return prefill(args.prefill, block, KV_CACHE_DTYPES[args.dtype or "bfloat16"])
+        return prefill(args.prefill, block, KV_CACHE_DTYPES[args.dtype or "bfloat16"], args.chunk)
     blocks = CACHE_SLOTS // block
     dtype = KV_CACHE_DTYPES[args.dtype or "float16"]
     pairs = pair_layout(dtype, DIM)
