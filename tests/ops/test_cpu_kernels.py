@@ -134,12 +134,14 @@ def test_gate_up_is_silu_of_gate_times_up_and_batch_invariant(bias: bool) -> Non
 
 
 def _attend(
-    q: torch.Tensor, cache: torch.Tensor, qsl: list[int], lens: list[int], tables: list, window: int
-) -> torch.Tensor:
+    q: torch.Tensor, cache: torch.Tensor, qsl: list[int], lens: list[int], tables: list, window: int,
+    pairs: bool | None = None,
+) -> torch.Tensor:  # fmt: skip
+    """pairs: the layout (None: the one kiln picks for the cache's dtype here)."""
     i32 = torch.int32
     q_start, seq = torch.tensor(qsl, dtype=i32), torch.tensor(lens, dtype=i32)
     table = torch.tensor(tables, dtype=i32)
-    pairs = pair_layout(cache.dtype, cache.shape[-1])
+    pairs = pair_layout(cache.dtype, cache.shape[-1]) if pairs is None else pairs
     kernel_cache = from_standard(cache, pairs)
     return torch.ops.kiln_cpu.paged_attention(
         q, kernel_cache, q_start, seq, table, q.shape[-1] ** -0.5, window, pairs
@@ -186,6 +188,26 @@ def test_attention_rows_do_not_depend_on_chunking_or_neighbours(
         alone = _attend(q[row : row + 1], cache, [0, 1], [ctx - 8 + row], [tables[0]], window)
         assert torch.equal(alone, got[row : row + 1])
     assert torch.equal(_attend(q[9:10], cache, [0, 1], [lens[1]], [tables[1]], window), got[9:10])
+
+
+@pytest.mark.parametrize("dtype", FP8)
+def test_fp8_without_pairs_reads_the_references_values(dtype: torch.dtype) -> None:
+    """An fp8 cache on the float path (a CPU without AVX512-BF16: fp8 widened to float32 through half's
+    bits) against the torch reference, a chunk and decodes; the same bits for a row alone."""
+    torch.manual_seed(0)
+    heads, kv_heads, dim, block = 6, 2, 64, 16
+    cache = torch.randn(13, 2, block, kv_heads, dim).to(dtype)
+    tables, qsl, lens = [[3, 7, 1, 9], [0, 5, 2, 8]], [0, 9, 10], [3 * block - 5, block + 3]
+    q = torch.randn(10, heads, dim)
+    got = _attend(q, cache, qsl, lens, tables, 0, pairs=False)
+    none, nothing = torch.full((10,), -1), torch.zeros(10, kv_heads, dim)
+    want = reference_attention(
+        q, nothing, nothing, cache.float(), none, torch.tensor(qsl, dtype=torch.int32),
+        torch.tensor(lens, dtype=torch.int32), torch.tensor(tables, dtype=torch.int32), dim**-0.5, 0,
+    )  # fmt: skip
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    alone = _attend(q[9:10], cache, [0, 1], [lens[1]], [tables[1]], 0, pairs=False)
+    assert torch.equal(alone, got[9:10])
 
 
 @pytest.mark.parametrize("block", [16, 32, 64])
