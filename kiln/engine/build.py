@@ -44,16 +44,14 @@ def build_model(
     b = config.backend
     backend = choose_backend(b.kernels, b.attention, b.sampler, device, dims.head_dim, dtype, b.deterministic)
     kv_dtype = kv_cache_dtype(config.cache.kv_cache_dtype, dtype)
-    if kv_dtype == torch.float8_e4m3fn and backend.attention == "flashinfer":
-        # FlashInfer's K/V writer is Triton's, whose e4m3 conversion needs sm_89 (fp8e4nv); e5m2 is sm_80's.
-        capability = torch.cuda.get_device_capability(device)
-        if capability < (8, 9):
-            name, (major, minor) = config.cache.kv_cache_dtype, capability
-            raise ValueError(
-                f"cache.kv_cache_dtype {name!r} (e4m3) needs a GPU of compute capability 8.9 or more with "
-                f"backend.attention 'flashinfer' (this one is {major}.{minor}): use fp8_e5m2"
-            )
     if kv_dtype == torch.float8_e4m3fn:
+        # FlashInfer's K/V writer is Triton's, whose e4m3 conversion needs sm_89 (fp8e4nv); e5m2 is sm_80's.
+        if backend.attention == "flashinfer" and (cc := torch.cuda.get_device_capability(device)) < (8, 9):
+            raise ValueError(
+                f"cache.kv_cache_dtype {config.cache.kv_cache_dtype!r} (e4m3) needs a GPU of compute "
+                f"capability 8.9 or more with backend.attention 'flashinfer' (this one is {cc[0]}.{cc[1]}): "
+                "use fp8_e5m2"
+            )
         log.warning(
             "KV cache in fp8_e4m3 with a scale of 1.0 (kiln reads no k/v scales from a checkpoint): K and V "
             "beyond +-448 saturate"

@@ -10,7 +10,6 @@ import torch
 
 # cache.kv_cache_dtype's names (config.KvCacheDtype) but auto: fp8 is e4m3, as on CUDA.
 KV_CACHE_DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,  # not vLLM's (nor the config's), for benchmarks of a float32 cache
     "float16": torch.float16,
     "bfloat16": torch.bfloat16,
     "fp8": torch.float8_e4m3fn,
