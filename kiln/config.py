@@ -71,6 +71,10 @@ class ModelConfig(Section):
     # bias, bans, temperature, min-p, top-k and top-p (what the draw saw, -inf where cut); *_logits the
     # values before log-softmax. Prompt logprobs: raw or processed alike.
     logprobs_mode: LogprobsMode = "raw_logprobs"
+    # vLLM's --enable-prompt-embeds: /v1/completions and LLM.generate take a prompt as its input embeddings
+    # (a base64 torch.save of a (tokens, hidden_size) tensor; {"prompt_embeds": tensor}). Off by default, as
+    # vLLM: torch.load is then run on what clients send (weights_only).
+    enable_prompt_embeds: bool = False
 
 
 class CacheConfig(Section):

@@ -15,6 +15,7 @@ from kiln.engine.chat_template import render_chat
 from kiln.engine.content_format import resolve_content_format, template_content, text_parts
 from kiln.engine.engine import LLMEngine
 from kiln.engine.pooler import check_pairs, pair_scores
+from kiln.engine.prompt_embeds import PromptEmbeds
 from kiln.engine.request_output import RequestOutput
 from kiln.lora_request import LoRARequest
 from kiln.pooling_output import (
@@ -55,8 +56,9 @@ class LLM:
         priority: list[int] | None = None,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
-        """Prompts: strings, token-id lists, or vLLM's dicts ({"prompt": ...} or {"prompt_token_ids": ...},
-        with an optional "cache_salt"); outputs keep their order. priority: one per prompt, smaller first
+        """Prompts: strings, token-id lists, or vLLM's dicts ({"prompt": ...}, {"prompt_token_ids": ...} or,
+        made with enable_prompt_embeds=True, {"prompt_embeds": a (tokens, hidden_size) tensor}; with an
+        optional "cache_salt"); outputs keep their order. priority: one per prompt, smaller first
         (the engine's scheduler.policy must be "priority"). lora_request: the LoRA adapter of every prompt,
         or one per prompt (the engine made with enable_lora=True)."""
         batch = _as_batch(prompts)
@@ -115,7 +117,7 @@ class LLM:
 
     def _add(
         self,
-        batch: list[tuple[str | list[int], str | None]],
+        batch: list[tuple[str | list[int] | PromptEmbeds, str | None]],
         params: Sequence[SamplingParams | PoolingParams],
         priority: list[int] | None,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
@@ -152,6 +154,8 @@ class LLM:
         eos = frozenset(self.engine.eos_token_ids)
         searches = []
         for prompt, salt in batch:
+            if isinstance(prompt, PromptEmbeds):
+                raise ValueError("beam search takes text or token ids, not prompt_embeds")
             ids = self.engine.admission.tokenize(prompt)
             if len(ids) + params.max_tokens > self.engine.max_model_len:
                 raise ValueError(
@@ -251,8 +255,8 @@ def _pooled(out: RequestOutput, outputs: Out) -> PoolingRequestOutput[Out]:
     return PoolingRequestOutput(out.request_id, out.prompt_token_ids, out.finished, outputs)
 
 
-def _as_batch(prompts: Prompt | Sequence[Prompt]) -> list[tuple[str | list[int], str | None]]:
-    """Each prompt as (text or ids, cache salt)."""
+def _as_batch(prompts: Prompt | Sequence[Prompt]) -> list[tuple[str | list[int] | PromptEmbeds, str | None]]:
+    """Each prompt as (text, ids or embeddings, cache salt)."""
     if isinstance(prompts, str | dict) or (
         isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
     ):
@@ -260,17 +264,24 @@ def _as_batch(prompts: Prompt | Sequence[Prompt]) -> list[tuple[str | list[int],
     return [_prompt(p) for p in prompts]
 
 
-def _prompt(p: Prompt) -> tuple[str | list[int], str | None]:
+def _prompt(p: Prompt) -> tuple[str | list[int] | PromptEmbeds, str | None]:
     if not isinstance(p, dict):
         return p, None
-    unknown = set(p) - {"prompt", "prompt_token_ids", "cache_salt"}
+    kinds = ("prompt", "prompt_token_ids", "prompt_embeds")
+    unknown = set(p) - {*kinds, "cache_salt"}
     if unknown:
         raise ValueError(
-            f"prompt dicts take prompt or prompt_token_ids, and cache_salt, not {sorted(unknown)}"
+            "prompt dicts take prompt, prompt_token_ids or prompt_embeds, and cache_salt, "
+            f"not {sorted(unknown)}"
         )
-    if ("prompt" in p) == ("prompt_token_ids" in p):
-        raise ValueError("a prompt dict needs exactly one of prompt and prompt_token_ids")
-    return p.get("prompt", p.get("prompt_token_ids")), p.get("cache_salt")
+    given = [k for k in kinds if k in p]
+    if len(given) != 1:
+        raise ValueError("a prompt dict needs exactly one of prompt, prompt_token_ids and prompt_embeds")
+    if given[0] == "prompt_embeds":
+        if not isinstance(p["prompt_embeds"], torch.Tensor):
+            raise ValueError(f"prompt_embeds must be a torch.Tensor, not {type(p['prompt_embeds']).__name__}")
+        return PromptEmbeds(p["prompt_embeds"]), p.get("cache_salt")
+    return p[given[0]], p.get("cache_salt")
 
 
 def _params_for(

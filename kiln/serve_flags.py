@@ -234,6 +234,7 @@ SERVE_FLAGS: dict[str, tuple[str, str, dict]] = {
         {"action": "store_true", "help": "usage.prompt_tokens_details.cached_tokens"},
     ),
     "--tokenizer": ("model", "tokenizer", {"help": "a tokenizer folder (default: the model's)"}),
+    "--enable-prompt-embeds": ("model", "enable_prompt_embeds", {"action": "store_true"}),
     "--enable-prefix-caching": ("cache", "enable_prefix_caching", {"action": argparse.BooleanOptionalAction}),
     "--disable-uvicorn-access-log": ("server", "disable_uvicorn_access_log", {"action": "store_true"}),
     "--ssl-certfile": ("server", "ssl_certfile", {"metavar": "FILE"}),

@@ -146,6 +146,7 @@ class App:
             engine.admission.check_prompt,
             self.config.server,
             traits,
+            self.config.model.enable_prompt_embeds,
         )
         self.engine = engine
         threads.yield_to_engine(self.config.server.loop_nice)

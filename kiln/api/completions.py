@@ -74,9 +74,11 @@ async def create_completion(
     cached = inputs.limits.enable_prompt_tokens_details
     await log_requests(inputs, rid, [p.ids for p in prompts], params)
     if body.use_beam_search:
+        if body.prompt_embeds is not None:
+            raise APIError(400, "use_beam_search is not supported with prompt embeds", "use_beam_search")
         finals = await beam_search_all(engine, request, body, rid, [p.ids for p in prompts], params)
     else:
-        streams = start_all(engine, request, body, rid, [p.ids for p in prompts], params)
+        streams = start_all(engine, request, body, rid, [p.engine_prompt for p in prompts], params)
         if body.stream:
             usage_chunk = functools.partial(CompletionResponse, id=rid, model=model)
             chunks = functools.partial(_chunks, rid, model, body, texts, engine.tokenizer)

@@ -22,6 +22,7 @@ from kiln.api.protocol import ChatMessage, ChatRender, CompletionRequest, Tool, 
 from kiln.engine.bad_words import MAX_BAD_WORDS
 from kiln.engine.chat_template import render_chat
 from kiln.engine.content_format import resolve_content_format, template_content
+from kiln.engine.prompt_embeds import PromptEmbeds
 from kiln.sampling_params import truncate_prompt
 from kiln.server_config import ServerConfig
 
@@ -36,8 +37,13 @@ INLINE_SIZE = 16384
 
 @dataclass(slots=True)
 class Prompt:
-    ids: list[int]
+    ids: list[int]  # given embeddings: a placeholder (0) for each row the request keeps
     text: str | None  # the prompt as text, for echo: a string prompt, or token ids decoded when echo asks
+    embeds: PromptEmbeds | None = None  # the prompt given as embeddings (the engine truncates them)
+
+    @property
+    def engine_prompt(self) -> list[int] | PromptEmbeds:
+        return self.ids if self.embeds is None else self.embeds
 
 
 class Inputs:
@@ -52,9 +58,12 @@ class Inputs:
         check_prompt: Callable[[list[int]], None],
         limits: ServerConfig,
         template_traits: Callable[[], TemplateTraits],
+        prompt_embeds: bool = False,
     ) -> None:
-        """template_traits: what /v1/messages needs to know of the chat template, found at its first call."""
+        """template_traits: what /v1/messages needs to know of the chat template, found at its first call.
+        prompt_embeds: whether completions take prompt_embeds (model.enable_prompt_embeds)."""
         self.tokenizer = tokenizer
+        self.prompt_embeds = prompt_embeds
         self.template_traits = template_traits
         self.vocab_size = vocab_size
         self.check_prompt = check_prompt  # the engine's: token ids in range, room left to generate
@@ -129,16 +138,19 @@ class Inputs:
 
     def _completion_prompts(self, body: CompletionRequest, max_tokens: int | None) -> list[Prompt]:
         prompt, echo, keep = body.prompt, body.echo, body.truncate_prompt_tokens
-        prompts = prompt_list(prompt)
-        if len(prompts) > self.limits.max_completion_prompts:
+        embedded = self._embeds(body, max_tokens)
+        prompts = [] if prompt is None or prompt == "" else prompt_list(prompt)
+        if not prompts and not embedded:
+            raise APIError(400, "Either prompt or prompt_embeds must be provided and non-empty.", "prompt")
+        if len(embedded) + len(prompts) > self.limits.max_completion_prompts:
             raise APIError(
                 400,
                 f"a request may hold at most {self.limits.max_completion_prompts} prompts "
                 "(server.max_completion_prompts)",
                 "prompt",
             )
-        self.check_chars(max(len(p) if isinstance(p, str) else 0 for p in prompts), "prompt")
-        out = []
+        self.check_chars(max((len(p) if isinstance(p, str) else 0 for p in prompts), default=0), "prompt")
+        out = embedded
         for p in prompts:
             ids = (
                 self.tokenizer.encode(p, add_special_tokens=body.add_special_tokens)
@@ -154,6 +166,30 @@ class Inputs:
             except ValueError as e:
                 raise APIError(400, str(e), "prompt") from None
             out.append(Prompt(kept, self.tokenizer.decode(kept) if echo else None))
+        return out
+
+    def _embeds(self, body: CompletionRequest, max_tokens: int | None) -> list[Prompt]:
+        """prompt_embeds, unpickled (as weights only) where the server takes them."""
+        given = body.prompt_embeds
+        if given is None:
+            return []
+        if not self.prompt_embeds:
+            message = "You must set `--enable-prompt-embeds` to input `prompt_embeds`."
+            raise APIError(400, message, "prompt_embeds")
+        if body.echo:
+            raise APIError(400, "Echo is unsupported with prompt embeds.", "echo")
+        if body.prompt_logprobs is not None:
+            raise APIError(400, "prompt_logprobs is not compatible with prompt embeds.", "prompt_logprobs")
+        out = []
+        for payload in given if isinstance(given, list) else [given]:
+            try:
+                embeds = PromptEmbeds.decode(payload)
+                rows = list(range(len(embeds)))
+            except ValueError as e:
+                raise APIError(400, str(e), "prompt_embeds") from None
+            side = body.truncation_side or "left"
+            kept = truncate_prompt(rows, body.truncate_prompt_tokens, max_tokens, self.max_model_len, side)
+            out.append(Prompt([0] * len(kept), None, embeds))
         return out
 
     # -- chat and tokenize ----------------------------------------------------------------------

@@ -84,7 +84,11 @@ class _SamplingRequest(_Strict):
 
 
 class CompletionRequest(_SamplingRequest, kw_only=True):
-    prompt: str | list[str | int | list[int]]  # one string, strings, token ids, or lists of ids
+    # One string, strings, token ids, or lists of ids; may be left out (or "") where prompt_embeds are given.
+    prompt: str | list[str | int | list[int]] | None = None
+    # vLLM's (--enable-prompt-embeds): base64 torch.save'd (tokens, hidden_size) tensors, each a prompt of
+    # its own, before the prompts of `prompt`.
+    prompt_embeds: bytes | list[bytes] | None = None
     max_tokens: int | None = 16
     logprobs: int | None = None
     echo: bool = False

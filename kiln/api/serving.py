@@ -17,6 +17,7 @@ from kiln.api.errors import APIError
 from kiln.api.inputs import Inputs
 from kiln.api.protocol import _PooledInputRequest, _SamplingRequest, _ScoringRequest
 from kiln.engine.async_engine import AsyncEngine
+from kiln.engine.prompt_embeds import PromptEmbeds
 from kiln.engine.request import PositionLogprobs
 from kiln.engine.request_output import RequestOutput, merge
 from kiln.engine.request_stream import RequestStream
@@ -158,7 +159,7 @@ def start_all(
     request: Request,
     body: _SamplingRequest | _PooledInputRequest | _ScoringRequest,
     response_id: str,
-    prompts: list[list[int]],
+    prompts: Sequence[list[int] | PromptEmbeds],
     params: Sequence[SamplingParams | PoolingParams],
 ) -> list[RequestStream]:
     """One engine request per prompt, with the body's priority and cache_salt; if any is refused, none

@@ -15,6 +15,7 @@ from kiln.engine.constraint import Constraint
 from kiln.engine.detokenizer import IncrementalDetokenizer, SequenceText
 from kiln.engine.grammar import Grammars
 from kiln.engine.pooler import Pooler
+from kiln.engine.prompt_embeds import PromptEmbeds
 from kiln.engine.request import Request
 from kiln.engine.thinking import Thinking, ThinkTags
 from kiln.pooling_params import PoolingParams
@@ -36,6 +37,10 @@ class Admission:
     think_tags: ThinkTags | None = None  # a reasoning parser's (model.reasoning_parser)
     constrain_thinking: bool = False  # structured_outputs_config.enable_in_reasoning
     pooler: Pooler | None = None  # runner pooling's: requests are for embeddings
+    # model.enable_prompt_embeds, and what the embeddings must fit: the model's hidden size and dtype
+    prompt_embeds: bool = False
+    hidden_size: int = 0
+    dtype: torch.dtype = torch.float32
 
     def tokenize(
         self, prompt: str | list[int], params: SamplingParams | PoolingParams | None = None
@@ -47,6 +52,29 @@ class Admission:
             ids = truncate_prompt(ids, keep, params.max_tokens, self.max_model_len, side)
         self.check_prompt(ids, isinstance(params, PoolingParams))
         return ids
+
+    def check_embeds(self, embeds: PromptEmbeds, params: SamplingParams | PoolingParams) -> range:
+        """A prompt given as embeddings, checked by its metadata alone (so on the event loop): which of its
+        rows the request keeps (truncate_prompt_tokens: the last, or the first with truncation_side
+        "right"). In the engine its ids are placeholders (0), which the rows replace."""
+        if not self.prompt_embeds:
+            raise ValueError("You must set `--enable-prompt-embeds` to input `prompt_embeds`.")
+        if isinstance(params, PoolingParams):
+            raise ValueError("prompt_embeds are for generating: a pooling model embeds token ids")
+        if params.prompt_logprobs is not None:  # no prompt token to score
+            raise ValueError("prompt_logprobs is not compatible with prompt embeds.")
+        embeds.check(self.hidden_size)
+        keep, side = params.truncate_prompt_tokens, params.truncation_side
+        kept = truncate_prompt(list(range(len(embeds))), keep, params.max_tokens, self.max_model_len, side)
+        self.check_prompt([0] * len(kept))
+        return range(kept[0], kept[-1] + 1)
+
+    def embeds_prompt(
+        self, embeds: PromptEmbeds, params: SamplingParams | PoolingParams
+    ) -> tuple[list[int], torch.Tensor]:
+        """The placeholder ids and the kept rows of an embeddings prompt, in the model's dtype."""
+        kept = self.check_embeds(embeds, params)
+        return [0] * len(kept), embeds.rows(kept.start, kept.stop, self.dtype)
 
     def check_prompt(self, ids: list[int], pooled: bool = False) -> None:
         """pooled: for an embedding, which may fill max_model_len."""
@@ -131,9 +159,11 @@ class Admission:
         bad_words: BadWords,
         priority: int,
         cache_salt: str | None,
+        embeds: torch.Tensor | None = None,
     ) -> list[Request]:
         """The checked request as one Request per sample: with n > 1 each gets its own seed (seed + i)
-        and id (request_id-i); only the first scores the prompt."""
+        and id (request_id-i); only the first scores the prompt. embeds: the prompt's rows, where it was
+        given as embeddings (ids then hold placeholders)."""
         so = params.structured_outputs
         constraint = None if so is None else self.grammars.check(so)  # parsed once, for every sample
         requests = []
@@ -150,7 +180,9 @@ class Admission:
             )
             child_id = f"{request_id}-{i}" if params.n > 1 else request_id
             requests.append(
-                self._request(child_id, request_id, ids, p, constraint, bad_words, priority, cache_salt or "")
+                self._request(
+                    child_id, request_id, ids, p, constraint, bad_words, priority, cache_salt or "", embeds
+                )
             )
         return requests
 
@@ -164,6 +196,7 @@ class Admission:
         bad_words: BadWords,
         priority: int,
         cache_salt: str,
+        embeds: torch.Tensor | None,
     ) -> Request:
         banned = (
             []
@@ -174,8 +207,9 @@ class Admission:
         generator = None
         if p.seed is not None:
             generator = torch.Generator(device=self.device).manual_seed(p.seed)
+        context = ids if embeds is None else []  # placeholders are no text to follow
         detokenizer = IncrementalDetokenizer(
-            self.tokenizer, ids, p.skip_special_tokens, p.spaces_between_special_tokens
+            self.tokenizer, context, p.skip_special_tokens, p.spaces_between_special_tokens
         )
         return Request(
             request_id=request_id,
@@ -193,6 +227,7 @@ class Admission:
             thinking=self._thinking(p, constraint is not None),
             priority=priority,
             cache_salt=cache_salt,
+            prompt_embeds=embeds,
             logprobs=[] if p.logprobs is not None else None,
             prompt_logprobs=[None] if p.prompt_logprobs is not None else None,
         )

@@ -21,6 +21,7 @@ from kiln.engine.engine import LLMEngine
 from kiln.engine.metrics import Metrics
 from kiln.engine.pause import Pause, PauseMode, Pausing, Resuming
 from kiln.engine.pooler import Pooler
+from kiln.engine.prompt_embeds import PromptEmbeds
 from kiln.engine.queue_limits import Overloaded, QueueLimits
 from kiln.engine.request_output import RequestOutput
 from kiln.engine.request_stream import RequestStream
@@ -98,7 +99,7 @@ class AsyncEngine:
 
     def generate(
         self,
-        prompt_ids: list[int],
+        prompt: list[int] | PromptEmbeds,
         params: SamplingParams | PoolingParams,
         request_id: str,
         priority: int = 0,
@@ -106,7 +107,8 @@ class AsyncEngine:
         lora: LoRARequest | None = None,
     ) -> RequestStream:
         """Queues a request and returns its stream (options as LLMEngine.add_request; PoolingParams: its
-        embedding). A bad prompt, params or options raise ValueError here, before anything is queued."""
+        embedding). A bad prompt, params or options raise ValueError here, before anything is queued. The
+        prompt: token ids, truncated already as params ask, or embeddings, which the engine truncates."""
         if self.dead is not None:
             raise EngineDeadError(f"the engine has died: {self.dead!r}")
         if request_id in self._streams:
@@ -114,6 +116,10 @@ class AsyncEngine:
         admission = self.admission
         admission.check_options(priority, cache_salt)
         bad_words = admission.check_params(params)
+        if isinstance(prompt, PromptEmbeds):
+            prompt_ids = [0] * len(admission.check_embeds(prompt, params))  # its rows' placeholders
+        else:
+            prompt_ids = prompt
         admission.check_prompt(prompt_ids, isinstance(params, PoolingParams))
         stream = RequestStream(request_id, self.abort, params, prompt_token_ids=prompt_ids)
         tokens = len(prompt_ids) * stream.seqs  # as vLLM counts its n sequences
@@ -124,7 +130,7 @@ class AsyncEngine:
             raise
         stream.prefill_tokens = tokens
         self._streams[request_id] = stream
-        self._commands.put(Add(request_id, prompt_ids, params, priority, cache_salt, bad_words, lora))
+        self._commands.put(Add(request_id, prompt, params, priority, cache_salt, bad_words, lora))
         return stream
 
     async def add_lora(self, lora: LoRARequest) -> None:
@@ -251,7 +257,7 @@ class AsyncEngine:
         try:
             c = command
             engine.add_request(
-                c.request_id, c.prompt_ids, c.params, c.priority, c.cache_salt, c.bad_words, c.lora
+                c.request_id, c.prompt, c.params, c.priority, c.cache_salt, c.bad_words, c.lora
             )
         except ValueError as e:  # checked already on the event loop, so this is a race at most
             self._loop.call_soon_threadsafe(self._fail, command.request_id, e)

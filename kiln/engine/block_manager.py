@@ -1,10 +1,13 @@
-"""Hands out KV-cache blocks, counts references, and caches full blocks by a chained hash of their tokens."""
+"""Hands out KV-cache blocks, counts references, and caches full blocks by a chained hash of their tokens
+(and of their prompt embeddings, where a prompt was given as embeddings)."""
 
 from __future__ import annotations
 
 import hashlib
 from array import array
 from collections import OrderedDict
+
+import torch
 
 from kiln.engine.request import Request
 
@@ -47,8 +50,13 @@ class BlockManager:
         tokens = array("q", req.token_ids[start * bs : end * bs]).tobytes()
         width = bs * 8  # bytes of a block's ids
         parent = req.block_hashes[-1] if req.block_hashes else req.hash_root
+        embeds, prompt = req.prompt_embeds, req.num_prompt_tokens
         for i in range(end - start):
-            parent = hashlib.sha256(parent + tokens[i * width : (i + 1) * width]).digest()
+            block = tokens[i * width : (i + 1) * width]
+            first = (start + i) * bs
+            if embeds is not None and first < prompt:  # its ids are placeholders: the rows are its content
+                block += embeds[first : min(first + bs, prompt)].view(torch.uint8).numpy().tobytes()
+            parent = hashlib.sha256(parent + block).digest()
             req.block_hashes.append(parent)
 
     def match_prefix(self, req: Request) -> int:

@@ -24,6 +24,7 @@ from kiln.engine.lora_slots import LoraSlots
 from kiln.engine.memory import kv_cache_blocks
 from kiln.engine.output import OutputProcessor, Parent
 from kiln.engine.pooler import resolve_pooler
+from kiln.engine.prompt_embeds import PromptEmbeds
 from kiln.engine.request_output import RequestOutput
 from kiln.engine.runner import ModelRunner
 from kiln.engine.scheduler import ScheduledBatch, Scheduler
@@ -109,6 +110,9 @@ class LLMEngine:
             None if parser is None else ThinkTags.of(parser, self.tokenizer),
             config.model.structured_outputs_config.enable_in_reasoning,
             self.pooler,
+            config.model.enable_prompt_embeds,
+            dims.hidden_size,
+            self.runner.dtype,
         )
         self.timings["runner"] = time.perf_counter() - clock
         num_blocks = kv_cache_blocks(config, self.runner, self.max_model_len, self.timings)
@@ -163,7 +167,7 @@ class LLMEngine:
     def add_request(
         self,
         request_id: str,
-        prompt: str | list[int],
+        prompt: str | list[int] | PromptEmbeds,
         params: SamplingParams | PoolingParams,
         priority: int = 0,
         cache_salt: str | None = None,
@@ -185,10 +189,15 @@ class LLMEngine:
             bad_words = admission.check_params(params)
         if lora is not None:
             self.loras.load(lora)
-        ids = admission.tokenize(prompt, params)
-        if isinstance(params, PoolingParams):
+        if isinstance(prompt, PromptEmbeds):
+            ids, embeds = admission.embeds_prompt(prompt, params)
+            assert isinstance(params, SamplingParams)  # (embeds_prompt refuses pooling)
+            children = admission.requests(request_id, ids, params, bad_words, priority, cache_salt, embeds)
+        elif isinstance(params, PoolingParams):
+            ids = admission.tokenize(prompt, params)
             children = [admission.pooled_request(request_id, ids, params, priority, cache_salt)]
         else:
+            ids = admission.tokenize(prompt, params)
             children = admission.requests(request_id, ids, params, bad_words, priority, cache_salt)
         for child in children:
             child.lora = lora

@@ -52,6 +52,9 @@ class Request:
     grammar: SequenceGrammar | None = None  # params.structured_outputs, compiled
     thinking: Thinking | None = None  # where its reasoning ends, when a grammar or a budget needs to know
     pooling: Pooling | None = None  # an embedding request (runner pooling): it ends with its prompt
+    # A prompt given as embeddings (vLLM's prompt_embeds): one row per prompt token, in the model's dtype, on
+    # the host; its token_ids there are placeholders (0), which the runner's rows replace.
+    prompt_embeds: torch.Tensor | None = None
     # vLLM's request options beside the params: a smaller priority is scheduled first (policy "priority");
     # arrival orders the queue within a priority; only requests with the same cache_salt share cached blocks.
     priority: int = 0

@@ -20,7 +20,7 @@ from kiln.engine.scheduler import ScheduledBatch
 from kiln.engine.speculative import check_drafts, draft_rows, drafts_ahead
 from kiln.engine.step_result import PromptLogprobs, StepResult
 from kiln.engine.token_counts import TokenCounts
-from kiln.models.decoder import DecoderModel
+from kiln.models.decoder import DecoderModel, GivenEmbeds
 from kiln.ops.attention import AttnMetadata, StepLayout
 from kiln.ops.backend import TORCH_BACKEND, Backend
 from kiln.ops.logprobs import logprobs_in_chunks
@@ -106,9 +106,12 @@ class ModelRunner:
         # of its request's new tokens; the device fills it in from the last step's samples.
         buf = self.buf
         pending: list[tuple[int, int]] = []  # (its position in the flat batch, its row in last_tokens)
+        embedded: list[tuple[int, torch.Tensor]] = []  # (first position, rows) of prompts given as embeddings
         spec = batch.drafts
         for i, r in enumerate(reqs):
             start, end = starts[i], starts[i] + new[i]
+            if r.prompt_embeds is not None and start < r.num_prompt_tokens:
+                embedded.append((cu[i], r.prompt_embeds[start : min(end, r.num_prompt_tokens)]))
             if spec and (drafts := spec.get(r)):  # they follow its last token
                 end -= len(drafts)
                 buf.input_ids[cu[i + 1] - len(drafts) : cu[i + 1]] = drafts
@@ -131,7 +134,11 @@ class ModelRunner:
         buf.seq_lens[:num_reqs] = starts_np + num_new
         if self.loras is not None:
             buf.lora_slots[:num_tokens] = np.repeat(self.loras.assign([r.lora for r in reqs]), num_new)
-        hidden = self.forward(num_tokens, num_reqs, bool((num_new == 1).all()), pending)
+        given = self._given(embedded) if embedded else None
+        # A captured CUDA graph looks every row up by id: with CUDA graphs, a step with given rows runs as a
+        # mixed step (elsewhere the lookup is eager, ahead of the compiled layers, in either kind of step).
+        decode_only = bool((num_new == 1).all()) and (given is None or self.lowering.graphs is None)
+        hidden = self.forward(num_tokens, num_reqs, decode_only, pending, given)
         if land is not None:
             land()
 
@@ -213,15 +220,28 @@ class ModelRunner:
         return self.grammars.bitmask(grammars, rows, len(sampled), openers), rows
 
     def forward(
-        self, num_tokens: int, num_reqs: int, decode_only: bool, pending: list[tuple[int, int]] | None = None
+        self,
+        num_tokens: int,
+        num_reqs: int,
+        decode_only: bool,
+        pending: list[tuple[int, int]] | None = None,
+        given: GivenEmbeds | None = None,
     ) -> torch.Tensor:
         """Runs the model on the first num_tokens/num_reqs entries of the staging buffers; `pending`
-        input ids are taken from the last step's samples on the device."""
+        input ids are taken from the last step's samples on the device; `given` rows' embeddings replace
+        their ids'."""
         num_tokens, args = self.step_inputs(num_tokens, num_reqs, decode_only)
         if pending:
             at, rows = self._tensor(np.array(pending, dtype=np.int64)).T
             args[0][at] = self.last_tokens[rows]
+        if given is not None:
+            args = (*args, given)
         return self.lowering(num_tokens, decode_only, *args)
+
+    def _given(self, embedded: list[tuple[int, torch.Tensor]]) -> GivenEmbeds:
+        rows = np.concatenate([np.arange(at, at + len(values)) for at, values in embedded])
+        values = torch.cat([values for _, values in embedded])
+        return GivenEmbeds(self._tensor(rows), to_device(values, None, self.device))
 
     def step_inputs(self, num_tokens: int, num_reqs: int, decode_only: bool) -> tuple[int, tuple]:
         """Pads the step (the lowering's shapes), plans the attention backend and returns the model's

@@ -83,7 +83,8 @@ class TokenCounts:
             in_step = set(step)
             self.free.append(self.rows.pop(next(r for r in self.rows if r not in in_step)))
         row = self.rows[req] = self.free.pop()
-        ids = [req.prompt_token_ids, req.output_token_ids]
+        # An embeddings prompt has no tokens to penalize: its ids are placeholders.
+        ids = [req.prompt_token_ids if req.prompt_embeds is None else [], req.output_token_ids]
         counts = token_counts(ids, self.vocab_size, self.device)
         self.prompt[row] = counts[0] > 0
         self.counts[row] = counts[1]

@@ -2,6 +2,7 @@
 
 import logging
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
@@ -180,6 +181,14 @@ def run_layers(
     return x, residual
 
 
+@dataclass(frozen=True, slots=True)
+class GivenEmbeds:
+    """A step's rows whose input embedding is given (a prompt's prompt_embeds), not looked up by token id."""
+
+    rows: torch.Tensor  # int64 [n]: positions in the step's flat batch
+    values: torch.Tensor  # [n, hidden_size], in the embedding's dtype
+
+
 class DecoderModel(nn.Module):
     def __init__(
         self,
@@ -229,10 +238,14 @@ class DecoderModel(nn.Module):
         kv_caches: list[torch.Tensor],
         meta: AttnMetadata,
         lora_slots: torch.Tensor | None = None,
+        given: GivenEmbeds | None = None,
         run: RunLayers = run_layers,
     ) -> torch.Tensor:
-        """lora_slots: each token's adapter slot (-1: none), where the model has slots."""
+        """lora_slots: each token's adapter slot (-1: none), where the model has slots. given: rows whose
+        input is an embedding rather than a token's (outside the compiled layers: nothing to trace)."""
         x = self.embed(input_ids)
+        if given is not None:
+            x = x.index_copy(0, given.rows, given.values)
         if self.pos_embed is not None:
             x = x + self.pos_embed(positions)
         if self.kernels.activations is not None:

@@ -11,12 +11,14 @@ import numpy as np
 import torch
 
 
-def pinned(data: Sequence | np.ndarray, dtype: torch.dtype | None = None) -> torch.Tensor:
+def pinned(data: Sequence | np.ndarray | torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
     """data as a host tensor in pinned memory (a CUDA machine's; the copy's source for to_device)."""
     return _host(data, dtype).pin_memory()
 
 
-def to_device(data: Sequence | np.ndarray, dtype: torch.dtype | None, device: torch.device) -> torch.Tensor:
+def to_device(
+    data: Sequence | np.ndarray | torch.Tensor, dtype: torch.dtype | None, device: torch.device
+) -> torch.Tensor:
     """data as a tensor on device, queued without a sync where the device is a GPU. On the CPU a numpy
     array's tensor shares its memory."""
     if device.type == "cpu":
@@ -24,5 +26,5 @@ def to_device(data: Sequence | np.ndarray, dtype: torch.dtype | None, device: to
     return pinned(data, dtype).to(device, non_blocking=True)
 
 
-def _host(data: Sequence | np.ndarray, dtype: torch.dtype | None) -> torch.Tensor:
+def _host(data: Sequence | np.ndarray | torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
     return torch.as_tensor(np.ascontiguousarray(data) if isinstance(data, np.ndarray) else data, dtype=dtype)

@@ -1,0 +1,64 @@
+"""Prompts given as input embeddings (vLLM's prompt_embeds): one row per position, written over the token
+embedding of that position. A client's payload is unpickled where the request arrives (weights only: no code
+runs), checked on the event loop by its metadata alone, and cast to the model's dtype on the engine thread,
+which does all of kiln's torch compute."""
+
+from __future__ import annotations
+
+import io
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True, slots=True)
+class PromptEmbeds:
+    tensor: torch.Tensor  # (tokens, hidden_size), or (1, tokens, hidden_size): a batch of one
+
+    @classmethod
+    def decode(cls, payload: bytes) -> PromptEmbeds:
+        """A torch.save'd tensor (the API's base64, decoded). ValueError names what is wrong."""
+        # A sparse tensor's indices are checked as it loads, so none can point outside its values.
+        with torch.sparse.check_sparse_tensor_invariants():
+            try:
+                tensor = torch.load(io.BytesIO(payload), weights_only=True, map_location="cpu")
+            except Exception as e:  # torch.load's errors: pickle's, zipfile's, the weights-only unpickler's
+                first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+                raise ValueError(f"`prompt_embeds` is not a tensor saved by torch.save: {first}") from None
+        if not isinstance(tensor, torch.Tensor):
+            raise ValueError("`prompt_embeds` payload did not deserialize to a torch.Tensor.")
+        return cls(tensor)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """(tokens, hidden_size), a batch of one's dim dropped; ValueError for any other shape."""
+        shape = tuple(self.tensor.shape)
+        if len(shape) == 3 and shape[0] == 1:
+            shape = shape[1:]
+        if len(shape) != 2:
+            raise ValueError(
+                "`prompt_embeds` must be a 2D tensor of shape (num_tokens, hidden_size); "
+                f"got shape {tuple(self.tensor.shape)}."
+            )
+        return shape  # type: ignore[return-value]
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    def check(self, hidden_size: int) -> None:
+        """What can be told without reading the values (so on the event loop)."""
+        width = self.shape[1]
+        if width != hidden_size:
+            raise ValueError(
+                f"`prompt_embeds` hidden_size {width} does not match the model's hidden_size {hidden_size}."
+            )
+        if not self.tensor.is_floating_point():
+            raise ValueError(
+                f"`prompt_embeds` dtype {self.tensor.dtype} is not a floating-point type, cannot safely cast "
+                "to the model's dtype."
+            )
+
+    def rows(self, start: int, stop: int, dtype: torch.dtype) -> torch.Tensor:
+        """Rows start..stop, dense and contiguous in the model's dtype (the engine thread's work)."""
+        tensor = self.tensor.to_dense() if self.tensor.layout != torch.strided else self.tensor
+        return tensor.reshape(self.shape)[start:stop].to(dtype).contiguous()
