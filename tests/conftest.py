@@ -70,12 +70,21 @@ TINY_LIMITS = {"max_n_sequences": 4, "max_completion_prompts": 4, "max_prompt_ch
 
 
 @pytest.fixture(scope="session")
-def tiny_server(tmp_path_factory: pytest.TempPathFactory, default_model_dir: Path) -> Iterator[Server]:
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory, default_model_dir: Path) -> Path:
     from tests.models.tiny import build_default_vocab
 
-    model = build_default_vocab(tmp_path_factory.mktemp("tiny-default-vocab"), default_model_dir)
+    return build_default_vocab(tmp_path_factory.mktemp("tiny-default-vocab"), default_model_dir)
+
+
+@pytest.fixture(scope="session")
+def tiny_server(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Iterator[Server]:
     config = {
-        "model": {"model": str(model), "max_model_len": TINY_MAX_MODEL_LEN, "reasoning_parser": "qwen3"},
+        "model": {
+            "model": str(tiny_model_dir),
+            "max_model_len": TINY_MAX_MODEL_LEN,
+            "reasoning_parser": "qwen3",
+            "enable_prompt_embeds": True,
+        },
         "cache": {"kv_cache_gib": 0.0625},
         "scheduler": {"max_num_seqs": 16, "policy": "priority"},
         "compile": {"mode": "eager"},

@@ -146,7 +146,7 @@ class App:
             engine.admission.check_prompt,
             self.config.server,
             traits,
-            self.config.model.enable_prompt_embeds,
+            engine.admission.hidden_size if engine.admission.prompt_embeds else None,
         )
         self.engine = engine
         threads.yield_to_engine(self.config.server.loop_nice)

@@ -39,7 +39,7 @@ INLINE_SIZE = 16384
 class Prompt:
     ids: list[int]  # given embeddings: a placeholder (0) for each row the request keeps
     text: str | None  # the prompt as text, for echo: a string prompt, or token ids decoded when echo asks
-    embeds: PromptEmbeds | None = None  # the prompt given as embeddings (the engine truncates them)
+    embeds: PromptEmbeds | None = None  # the prompt given as embeddings (truncated)
 
     @property
     def engine_prompt(self) -> list[int] | PromptEmbeds:
@@ -58,12 +58,13 @@ class Inputs:
         check_prompt: Callable[[list[int]], None],
         limits: ServerConfig,
         template_traits: Callable[[], TemplateTraits],
-        prompt_embeds: bool = False,
+        embeds_width: int | None = None,
     ) -> None:
         """template_traits: what /v1/messages needs to know of the chat template, found at its first call.
-        prompt_embeds: whether completions take prompt_embeds (model.enable_prompt_embeds)."""
+        embeds_width: the model's hidden size, where completions take prompt_embeds
+        (model.enable_prompt_embeds)."""
         self.tokenizer = tokenizer
-        self.prompt_embeds = prompt_embeds
+        self.embeds_width = embeds_width
         self.template_traits = template_traits
         self.vocab_size = vocab_size
         self.check_prompt = check_prompt  # the engine's: token ids in range, room left to generate
@@ -173,7 +174,7 @@ class Inputs:
         given = body.prompt_embeds
         if given is None:
             return []
-        if not self.prompt_embeds:
+        if self.embeds_width is None:
             message = "You must set `--enable-prompt-embeds` to input `prompt_embeds`."
             raise APIError(400, message, "prompt_embeds")
         if body.echo:
@@ -181,15 +182,15 @@ class Inputs:
         if body.prompt_logprobs is not None:
             raise APIError(400, "prompt_logprobs is not compatible with prompt embeds.", "prompt_logprobs")
         out = []
+        side = body.truncation_side or "left"
         for payload in given if isinstance(given, list) else [given]:
             try:
                 embeds = PromptEmbeds.decode(payload)
-                rows = list(range(len(embeds)))
+                embeds.check(self.embeds_width)
             except ValueError as e:
                 raise APIError(400, str(e), "prompt_embeds") from None
-            side = body.truncation_side or "left"
-            kept = truncate_prompt(rows, body.truncate_prompt_tokens, max_tokens, self.max_model_len, side)
-            out.append(Prompt([0] * len(kept), None, embeds))
+            embeds = embeds.truncated(body.truncate_prompt_tokens, max_tokens, self.max_model_len, side)
+            out.append(Prompt([0] * len(embeds), None, embeds))
         return out
 
     # -- chat and tokenize ----------------------------------------------------------------------

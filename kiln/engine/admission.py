@@ -53,10 +53,9 @@ class Admission:
         self.check_prompt(ids, isinstance(params, PoolingParams))
         return ids
 
-    def check_embeds(self, embeds: PromptEmbeds, params: SamplingParams | PoolingParams) -> range:
-        """A prompt given as embeddings, checked by its metadata alone (so on the event loop): which of its
-        rows the request keeps (truncate_prompt_tokens: the last, or the first with truncation_side
-        "right"). In the engine its ids are placeholders (0), which the rows replace."""
+    def check_embeds(self, embeds: PromptEmbeds, params: SamplingParams | PoolingParams) -> PromptEmbeds:
+        """A prompt given as embeddings, checked by its metadata alone (so on the event loop), with the rows
+        truncate_prompt_tokens keeps. In the engine its ids are placeholders (0), which the rows replace."""
         if not self.prompt_embeds:
             raise ValueError("You must set `--enable-prompt-embeds` to input `prompt_embeds`.")
         if isinstance(params, PoolingParams):
@@ -65,16 +64,16 @@ class Admission:
             raise ValueError("prompt_logprobs is not compatible with prompt embeds.")
         embeds.check(self.hidden_size)
         keep, side = params.truncate_prompt_tokens, params.truncation_side
-        kept = truncate_prompt(list(range(len(embeds))), keep, params.max_tokens, self.max_model_len, side)
-        self.check_prompt([0] * len(kept))
-        return range(kept[0], kept[-1] + 1)
+        embeds = embeds.truncated(keep, params.max_tokens, self.max_model_len, side)
+        self.check_prompt([0] * len(embeds))
+        return embeds
 
     def embeds_prompt(
         self, embeds: PromptEmbeds, params: SamplingParams | PoolingParams
     ) -> tuple[list[int], torch.Tensor]:
         """The placeholder ids and the kept rows of an embeddings prompt, in the model's dtype."""
-        kept = self.check_embeds(embeds, params)
-        return [0] * len(kept), embeds.rows(kept.start, kept.stop, self.dtype)
+        embeds = self.check_embeds(embeds, params)
+        return [0] * len(embeds), embeds.rows(self.dtype)
 
     def check_prompt(self, ids: list[int], pooled: bool = False) -> None:
         """pooled: for an embedding, which may fill max_model_len."""

@@ -108,7 +108,7 @@ class AsyncEngine:
     ) -> RequestStream:
         """Queues a request and returns its stream (options as LLMEngine.add_request; PoolingParams: its
         embedding). A bad prompt, params or options raise ValueError here, before anything is queued. The
-        prompt: token ids, truncated already as params ask, or embeddings, which the engine truncates."""
+        prompt: token ids or embeddings."""
         if self.dead is not None:
             raise EngineDeadError(f"the engine has died: {self.dead!r}")
         if request_id in self._streams:
@@ -117,7 +117,8 @@ class AsyncEngine:
         admission.check_options(priority, cache_salt)
         bad_words = admission.check_params(params)
         if isinstance(prompt, PromptEmbeds):
-            prompt_ids = [0] * len(admission.check_embeds(prompt, params))  # its rows' placeholders
+            prompt = admission.check_embeds(prompt, params)
+            prompt_ids = [0] * len(prompt)  # its rows' placeholders
         else:
             prompt_ids = prompt
         admission.check_prompt(prompt_ids, isinstance(params, PoolingParams))

@@ -7,13 +7,17 @@ from __future__ import annotations
 
 import io
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
+
+from kiln.sampling_params import truncate_prompt
 
 
 @dataclass(frozen=True, slots=True)
 class PromptEmbeds:
     tensor: torch.Tensor  # (tokens, hidden_size), or (1, tokens, hidden_size): a batch of one
+    kept: range | None = None  # the rows a truncation keeps (None: all), sliced on the engine thread
 
     @classmethod
     def decode(cls, payload: bytes) -> PromptEmbeds:
@@ -31,7 +35,8 @@ class PromptEmbeds:
 
     @property
     def shape(self) -> tuple[int, int]:
-        """(tokens, hidden_size), a batch of one's dim dropped; ValueError for any other shape."""
+        """(tokens, hidden_size) of the whole tensor, a batch of one's dim dropped; ValueError for any
+        other shape."""
         shape = tuple(self.tensor.shape)
         if len(shape) == 3 and shape[0] == 1:
             shape = shape[1:]
@@ -42,8 +47,12 @@ class PromptEmbeds:
             )
         return shape  # type: ignore[return-value]
 
+    @property
+    def rows_kept(self) -> range:
+        return range(self.shape[0]) if self.kept is None else self.kept
+
     def __len__(self) -> int:
-        return self.shape[0]
+        return len(self.rows_kept)
 
     def check(self, hidden_size: int) -> None:
         """What can be told without reading the values (so on the event loop)."""
@@ -58,7 +67,15 @@ class PromptEmbeds:
                 "to the model's dtype."
             )
 
-    def rows(self, start: int, stop: int, dtype: torch.dtype) -> torch.Tensor:
-        """Rows start..stop, dense and contiguous in the model's dtype (the engine thread's work)."""
+    def truncated(
+        self, keep: int | None, max_tokens: int | None, max_model_len: int, side: Literal["left", "right"]
+    ) -> PromptEmbeds:
+        """The rows truncate_prompt_tokens keeps, as for token ids (kiln.sampling_params.truncate_prompt)."""
+        kept = truncate_prompt(list(self.rows_kept), keep, max_tokens, max_model_len, side)
+        return self if not kept else PromptEmbeds(self.tensor, range(kept[0], kept[-1] + 1))
+
+    def rows(self, dtype: torch.dtype) -> torch.Tensor:
+        """The kept rows, dense and contiguous in the model's dtype (the engine thread's work)."""
         tensor = self.tensor.to_dense() if self.tensor.layout != torch.strided else self.tensor
-        return tensor.reshape(self.shape)[start:stop].to(dtype).contiguous()
+        kept = self.rows_kept
+        return tensor.reshape(self.shape)[kept.start : kept.stop].to(dtype).contiguous()

@@ -90,3 +90,24 @@ def assert_greedy_agrees(got: list[list[int]], want: list[CompletionOutput]) -> 
             gap = scores[w.token_ids[part]].logprob - scores[g[part]].logprob
             assert gap < NEAR_TIE, f"parted at step {part} where fp32 preferred its token by {gap:.3f} nats"
     return same
+
+
+def test_prompt_embeds_greedy_tokens_match_cpu(tmp_path: Path) -> None:
+    """prompt_embeds with CUDA graphs: a step with given rows runs as a mixed step, even a step of one row (a
+    request whose cached prefix leaves one row to run); tokens as the CPU's fp32 run, nothing compiled after
+    ready."""
+    hf = build("llama", tmp_path, 128)
+    weight = hf.get_input_embeddings().weight.detach()
+    rows = torch.randn(40, weight.shape[1], generator=torch.Generator().manual_seed(0)) * weight.std()
+    prompts = [{"prompt_embeds": rows}, *PROMPTS[:2], {"prompt_embeds": rows[:33]}]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=5)
+    options = {"enable_prompt_embeds": True, "block_size": 32}
+    cpu = LLM(str(tmp_path), dtype="float32", kv_cache_gib=0.01, mode="eager", device="cpu", **options)
+    gpu = LLM(str(tmp_path), **GPU_OPTIONS, **options)
+    want = [o.outputs[0] for o in cpu.generate(prompts, params, use_tqdm=False)]
+    before = compile_counters()
+    got = [o.outputs[0].token_ids for o in gpu.generate(prompts[:3], params, use_tqdm=False)]
+    last = gpu.generate(prompts[3], params, use_tqdm=False)[0]
+    assert last.num_cached_tokens == 32
+    assert_greedy_agrees([*got, last.outputs[0].token_ids], want)
+    assert compile_counters() == before and gpu.engine.runner.lowering.misses == 0
