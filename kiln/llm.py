@@ -256,7 +256,7 @@ def _pooled(out: RequestOutput, outputs: Out) -> PoolingRequestOutput[Out]:
 
 
 def _as_batch(prompts: Prompt | Sequence[Prompt]) -> list[tuple[str | list[int] | PromptEmbeds, str | None]]:
-    """Each prompt as (text, ids or embeddings, cache salt)."""
+    """Each prompt as (its text, ids or embeddings; its cache salt)."""
     if isinstance(prompts, str | dict) or (
         isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
     ):

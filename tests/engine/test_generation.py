@@ -451,7 +451,9 @@ def test_bad_request_options_are_rejected_up_front(clean_roomy: LLM) -> None:
         gen(clean_roomy, [{"prompt": "Hi", "cache_salt": ""}], GREEDY)
     with pytest.raises(ValueError, match=r"^prompt dicts take .* not \['salt'\]"):
         gen(clean_roomy, [{"prompt": "Hi", "salt": "x"}], GREEDY)
-    with pytest.raises(ValueError, match=r"^a prompt dict needs exactly one of prompt and prompt_token_ids"):
+    with pytest.raises(
+        ValueError, match=r"^a prompt dict needs exactly one of prompt, prompt_token_ids and prompt_embeds"
+    ):
         gen(clean_roomy, [{"prompt": "Hi", "prompt_token_ids": [1]}], GREEDY)
     assert not clean_roomy.engine.output.parents
     assert_still_works(clean_roomy)
