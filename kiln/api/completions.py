@@ -72,7 +72,7 @@ async def create_completion(
     ]
     rid = response_id("cmpl-", request, body.request_id)
     cached = inputs.limits.enable_prompt_tokens_details
-    await log_requests(inputs, rid, [p.ids for p in prompts], params)
+    await log_requests(inputs, rid, [p.engine_prompt for p in prompts], params)
     if body.use_beam_search:
         if body.prompt_embeds is not None:
             raise APIError(400, "use_beam_search is not supported with prompt embeds", "use_beam_search")

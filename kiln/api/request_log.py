@@ -9,6 +9,7 @@ import logging
 from collections.abc import AsyncIterator, Sequence
 
 from kiln.api.inputs import Inputs
+from kiln.engine.prompt_embeds import PromptEmbeds
 from kiln.engine.request_output import RequestOutput, merge
 from kiln.pooling_params import PoolingParams
 from kiln.sampling_params import SamplingParams
@@ -24,16 +25,23 @@ def _name(response_id: str, i: int, count: int) -> str:
 async def log_requests(
     inputs: Inputs,
     response_id: str,
-    prompts: list[list[int]],
+    prompts: Sequence[list[int] | PromptEmbeds],
     params: Sequence[SamplingParams | PoolingParams],
 ) -> None:
-    """Each prompt, as text (decoded on the inputs' worker where the body is large) and ids, and its
-    params, as the engine gets them."""
+    """Each prompt, as text (decoded on the inputs' worker where the body is large) and ids, or the shape
+    of its embeddings, and its params, as the engine gets them."""
     if not inputs.limits.enable_log_requests:
         return
     n = inputs.limits.max_log_len
-    for i, (ids, p) in enumerate(zip(prompts, params, strict=True)):
-        ids = ids[:n]
+    for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
+        if isinstance(prompt, PromptEmbeds):
+            shape = (len(prompt), prompt.shape[1])
+            log.info(
+                "Received request %s: prompt_embeds shape: %s, params: %s",
+                _name(response_id, i, len(prompts)), shape, p,
+            )  # fmt: skip
+            continue
+        ids = prompt[:n]
         text = await inputs.run(inputs.tokenizer.decode, ids)
         log.info(
             "Received request %s: prompt: %r, params: %s, prompt_token_ids: %s",

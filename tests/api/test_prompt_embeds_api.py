@@ -42,11 +42,17 @@ def complete(client: openai.OpenAI, **kwargs: object) -> openai.types.Completion
     return client.completions.create(model=TINY_NAME, max_tokens=8, temperature=0, **kwargs)  # type: ignore[call-overload]
 
 
-def test_embedding_rows_generate_what_their_ids_do(client: openai.OpenAI, weight: torch.Tensor) -> None:
+def test_embedding_rows_generate_what_their_ids_do(
+    client: openai.OpenAI, weight: torch.Tensor, tiny_server: Server
+) -> None:
     by_ids = complete(client, prompt=IDS)
-    got = complete(client, prompt="", extra_body={"prompt_embeds": encode(weight[IDS])})
+    body = {"prompt_embeds": encode(weight[IDS]), "request_id": "embeds"}
+    got = complete(client, prompt="", extra_body=body)
     assert got.choices[0].text == by_ids.choices[0].text and got.choices[0].finish_reason == "length"
     assert got.usage.prompt_tokens == len(IDS) and got.usage.completion_tokens == 8
+    # tiny_server logs requests (--enable-log-requests): the rows' shape, not their placeholder ids.
+    line = next(s for s in tiny_server.output().splitlines() if "Received request cmpl-embeds:" in s)
+    assert f"prompt_embeds shape: ({len(IDS)}, 64), params: SamplingParams(" in line
     sparse = complete(client, prompt="", extra_body={"prompt_embeds": encode(weight[IDS].to_sparse())})
     assert sparse.choices[0].text == by_ids.choices[0].text
     # A batch of one, in bfloat16, without `prompt` at all; the last 3 rows kept.
