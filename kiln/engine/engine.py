@@ -295,6 +295,7 @@ class LLMEngine:
         return {
             "running": len(s.running),
             "waiting": len(s.waiting),
+            "deferred": s.num_deferred,
             "kv_cache_usage": self.block_manager.usage,
             "prefix_cache_queries": self.block_manager.prefix_queries,
             "prefix_cache_hits": self.block_manager.prefix_hits,

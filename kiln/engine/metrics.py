@@ -61,6 +61,16 @@ class _EngineState(Collector):
             metric = family(f"kiln:{name}", doc, labels=["model_name"])
             metric.add_metric([self.model_name], s[key])
             yield metric
+        by_reason = GaugeMetricFamily(
+            "kiln:num_requests_waiting_by_reason",
+            "Requests waiting to be scheduled, by reason: capacity (no room in the batch or the KV cache), "
+            "deferred (a grammar compiling, an adapter past the LoRA slots).",
+            labels=["model_name", "reason"],
+        )
+        deferred = min(s["deferred"], s["waiting"])  # (the count of the last step; some may have left since)
+        by_reason.add_metric([self.model_name, "capacity"], s["waiting"] - deferred)
+        by_reason.add_metric([self.model_name, "deferred"], deferred)
+        yield by_reason
         g = s["grammars"]
         for name, doc, value in (
             ("grammar_cache_hits", "Constrained requests whose grammar was compiled already.", g.hits),

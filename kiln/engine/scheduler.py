@@ -57,6 +57,9 @@ class Scheduler:
         self.waiting: deque[Request] = deque()  # in rank order
         self.running: list[Request] = []  # in admission order
         self.num_preemptions = 0
+        # Waiting requests the last admission passed over (a grammar compiling, an adapter past the slots, a
+        # token in flight) while it admitted those behind: vLLM's "deferred" waiting requests.
+        self.num_deferred = 0
         self._arrivals = itertools.count()
 
     def add(self, req: Request) -> None:
@@ -154,6 +157,7 @@ class Scheduler:
             batch.num_new_tokens.append(num_new)
             budget -= num_new
         self.waiting.extendleft(reversed(skipped))  # they ranked first
+        self.num_deferred = len(skipped)
         return batch
 
     def _drafts(self, req: Request, room: int, after: int) -> list[int]:

@@ -363,6 +363,7 @@ def test_models_health_version(client: openai.OpenAI, server: Server) -> None:
 METRICS = [
     "kiln:num_requests_running",
     "kiln:num_requests_waiting",
+    "kiln:num_requests_waiting_by_reason",
     "kiln:kv_cache_usage_perc",
     "kiln:prompt_tokens_total",
     "kiln:generation_tokens_total",

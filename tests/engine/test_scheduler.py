@@ -12,6 +12,7 @@ from kiln.engine.block_manager import BlockManager
 from kiln.engine.request import Request, Status
 from kiln.engine.scheduler import ScheduledBatch, Scheduler
 from kiln.engine.speculative import Drafter
+from kiln.lora_request import LoRARequest
 from kiln.sampling_params import SamplingParams
 from kiln.speculative_config import SpeculativeConfig
 
@@ -409,3 +410,18 @@ def test_drafts_take_no_block_a_later_running_request_needs() -> None:
     sched.finish(b)  # b's blocks are free: a drafts
     batch = sched.schedule()
     assert batch.drafts == {a: [1, 2, 3]} and batch.num_new_tokens == [4]
+
+
+def test_a_request_whose_adapter_has_no_slot_is_deferred_and_counted() -> None:
+    """With one LoRA slot, a request for a second adapter keeps its place while one behind it (no adapter)
+    is admitted: the step counts it deferred (vLLM's num_requests_waiting_by_reason), until a slot frees."""
+    config = SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=64)
+    sched = Scheduler(config, BlockManager(64, BS), 64, max_loras=1)
+    first, second, plain = make_request("a", 4, max_tokens=1), make_request("b", 4), make_request("c", 4)
+    first.lora, second.lora = LoRARequest("x", 1, "/x"), LoRARequest("y", 2, "/y")
+    for r in (first, second, plain):
+        sched.add(r)
+    assert scheduled(step(sched)) == [("a", 4), ("c", 4)]
+    assert sched.num_deferred == 1 and list(sched.waiting) == [second]
+    assert ("b", 4) in scheduled(step(sched))  # "a" finished with its one token: its slot is free
+    assert sched.num_deferred == 0
