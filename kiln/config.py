@@ -75,6 +75,17 @@ class ModelConfig(Section):
     # (a base64 torch.save of a (tokens, hidden_size) tensor; {"prompt_embeds": tensor}). Off by default, as
     # vLLM: torch.load is then run on what clients send (weights_only).
     enable_prompt_embeds: bool = False
+    # vLLM's --skip-tokenizer-init: no tokenizer is loaded (a model folder needs none). Prompts are token ids
+    # (or embeddings), outputs token ids with empty text; whatever needs text (chat, text prompts, stop
+    # strings, bad words, structured outputs, a reasoning parser) is refused.
+    skip_tokenizer_init: bool = False
+
+    def __post_init__(self) -> None:
+        if self.skip_tokenizer_init and self.reasoning_parser is not None:
+            raise ValueError(
+                "model.reasoning_parser finds the reasoning's tags with the tokenizer, which "
+                "model.skip_tokenizer_init leaves out"
+            )
 
 
 class CacheConfig(Section):

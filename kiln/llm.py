@@ -17,6 +17,7 @@ from kiln.engine.engine import LLMEngine
 from kiln.engine.pooler import check_pairs, pair_scores
 from kiln.engine.prompt_embeds import PromptEmbeds
 from kiln.engine.request_output import RequestOutput
+from kiln.engine.tokenizer import NO_TOKENIZER
 from kiln.lora_request import LoRARequest
 from kiln.pooling_output import (
     ClassificationOutput,
@@ -178,7 +179,7 @@ class LLM:
         results = []
         for search in searches:
             best = search.best()
-            for seq in best:
+            for seq in best if tokenizer is not None else []:  # (skip_tokenizer_init: token ids alone)
                 seq.text = tokenizer.decode(seq.tokens, skip_special_tokens=params.skip_special_tokens)
             results.append(BeamSearchOutput(best))
         return results
@@ -221,6 +222,8 @@ class LLM:
         add_generation_prompt must be False, as in vLLM). Each message's content reaches the template as
         the API's does: text parts joined by newlines, or as a list for a template that loops over them."""
         tokenizer = self.engine.tokenizer
+        if tokenizer is None:
+            raise ValueError(NO_TOKENIZER)
         fmt = resolve_content_format(chat_template_content_format, tokenizer.chat_template)
         return render_chat(
             tokenizer,

@@ -235,6 +235,11 @@ SERVE_FLAGS: dict[str, tuple[str, str, dict]] = {
     ),
     "--tokenizer": ("model", "tokenizer", {"help": "a tokenizer folder (default: the model's)"}),
     "--enable-prompt-embeds": ("model", "enable_prompt_embeds", {"action": "store_true"}),
+    "--skip-tokenizer-init": (
+        "model",
+        "skip_tokenizer_init",
+        {"action": argparse.BooleanOptionalAction, "help": "token ids in, token ids out: no tokenizer"},
+    ),
     "--enable-prefix-caching": ("cache", "enable_prefix_caching", {"action": argparse.BooleanOptionalAction}),
     "--disable-uvicorn-access-log": ("server", "disable_uvicorn_access_log", {"action": "store_true"}),
     "--ssl-certfile": ("server", "ssl_certfile", {"metavar": "FILE"}),

@@ -11,7 +11,7 @@ from kiln.api.protocol import _SamplingRequest
 from kiln.api.serving import final_outputs, start_all
 from kiln.engine.async_engine import AsyncEngine
 from kiln.engine.beam_search import MAX_BEAM_WIDTH, BeamSearch, BeamSearchParams, advance_all, step_prompts
-from kiln.engine.detokenizer import IncrementalDetokenizer
+from kiln.engine.detokenizer import detokenizer
 from kiln.engine.request_output import CompletionOutput, RequestOutput
 from kiln.sampling_params import SamplingParams
 
@@ -89,7 +89,7 @@ def _output(request_id: str, search: BeamSearch, p: SamplingParams, engine: Asyn
     for i, beam in enumerate(search.best()):
         ids = beam.tokens[len(search.prompt) :]
         shown = ids[:-1] if ids and ids[-1] in search.eos and not p.ignore_eos else ids
-        detok = IncrementalDetokenizer(
+        detok = detokenizer(
             engine.tokenizer, search.prompt, p.skip_special_tokens, p.spaces_between_special_tokens
         )
         logprobs = beam.logprobs if p.logprobs is not None else None

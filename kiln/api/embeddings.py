@@ -95,9 +95,10 @@ def _input_ids(inputs: Inputs, body: _PooledInputRequest) -> list[list[int]]:
         )
     inputs.check_chars(max(len(p) if isinstance(p, str) else 0 for p in prompts), "input")
     add = body.add_special_tokens is not False
-    tokenizer = inputs.tokenizer
     return [
-        truncated(inputs, body, tokenizer.encode(p, add_special_tokens=add) if isinstance(p, str) else p)
+        truncated(
+            inputs, body, inputs.tokenizer.encode(p, add_special_tokens=add) if isinstance(p, str) else p
+        )
         for p in prompts
     ]
 
@@ -112,7 +113,7 @@ def truncated(inputs: Inputs, body: _PooledInputRequest | _ScoringRequest, ids: 
             f"truncate_prompt_tokens={keep} cannot be greater than max_model_len={longest}",
             "truncate_prompt_tokens",
         )
-    side = body.truncation_side or inputs.tokenizer.truncation_side
+    side = body.truncation_side or inputs.truncation_side
     try:
         ids = truncate_prompt(ids, keep, 0, longest, side)  # nothing is generated: -1 keeps max_model_len
     except ValueError as e:

@@ -23,6 +23,7 @@ from kiln.engine.bad_words import MAX_BAD_WORDS
 from kiln.engine.chat_template import render_chat
 from kiln.engine.content_format import resolve_content_format, template_content
 from kiln.engine.prompt_embeds import PromptEmbeds
+from kiln.engine.tokenizer import NO_TOKENIZER
 from kiln.sampling_params import truncate_prompt
 from kiln.server_config import ServerConfig
 
@@ -60,20 +61,38 @@ class Inputs:
         template_traits: Callable[[], TemplateTraits],
         embeds_width: int | None = None,
     ) -> None:
-        """template_traits: what /v1/messages needs to know of the chat template, found at its first call.
+        """tokenizer: None where the server runs without one (skip_tokenizer_init): what needs text is a 400.
+        template_traits: what /v1/messages needs to know of the chat template, found at its first call.
         embeds_width: the model's hidden size, where completions take prompt_embeds
         (model.enable_prompt_embeds)."""
-        self.tokenizer = tokenizer
+        self._tokenizer = tokenizer
         self.embeds_width = embeds_width
-        self.template_traits = template_traits
+        self._template_traits = template_traits
         self.vocab_size = vocab_size
         self.check_prompt = check_prompt  # the engine's: token ids in range, room left to generate
         self.max_model_len = max_model_len
         self.limits = limits
-        longest = max(map(len, tokenizer.get_vocab()))
+        longest = max(map(len, tokenizer.get_vocab())) if tokenizer is not None else 0
         self.max_prompt_chars = limits.max_prompt_chars or 2 * max_model_len * longest
+        # Pooling requests cut from the tokenizer's side where they do not say (HF's default without one).
+        self.truncation_side = "right" if tokenizer is None else tokenizer.truncation_side
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="kiln-inputs")
         self.inline = True
+
+    @property
+    def has_tokenizer(self) -> bool:
+        return self._tokenizer is not None
+
+    @property
+    def tokenizer(self) -> Any:
+        """The tokenizer: a 400 where the server runs without one (skip_tokenizer_init)."""
+        if self._tokenizer is None:
+            raise APIError(400, NO_TOKENIZER)
+        return self._tokenizer
+
+    def template_traits(self) -> TemplateTraits:
+        self.tokenizer  # noqa: B018 (a 400 without one)
+        return self._template_traits()
 
     def for_body(self, size: int) -> Inputs:
         view = copy.copy(self)
@@ -143,6 +162,8 @@ class Inputs:
         prompts = [] if prompt is None or prompt == "" else prompt_list(prompt)
         if not prompts and not embedded:
             raise APIError(400, "Either prompt or prompt_embeds must be provided and non-empty.", "prompt")
+        if echo or any(isinstance(p, str) for p in prompts):
+            self.tokenizer  # noqa: B018 (text: a 400 without one)
         if len(embedded) + len(prompts) > self.limits.max_completion_prompts:
             raise APIError(
                 400,
@@ -200,6 +221,7 @@ class Inputs:
         return await self.run(self._chat_ids, body, tools)
 
     def _chat_ids(self, body: ChatRender, tools: list[Tool] | None) -> list[int]:
+        tokenizer = self.tokenizer
         messages = body.messages or []
         chars = sum(_content_chars(m) for m in messages)
         chars += sum(len(v) for d in body.documents or () for v in d.values())
@@ -218,13 +240,12 @@ class Inputs:
                 "continue_final_message",
             )
         fmt = self.limits.chat_template_content_format
-        return render_messages(self.tokenizer, messages, body, tools, fmt)
+        return render_messages(tokenizer, messages, body, tools, fmt)
 
     async def tokenize(self, text: str, add_special_tokens: bool) -> list[int]:
+        encode = functools.partial(self.tokenizer.encode, add_special_tokens=add_special_tokens)
         self.check_chars(len(text), "prompt")
-        return await self.run(
-            functools.partial(self.tokenizer.encode, add_special_tokens=add_special_tokens), text
-        )
+        return await self.run(encode, text)
 
     async def detokenize(self, tokens: list[int]) -> str:
         return await self.run(self._detokenize, tokens)

@@ -42,10 +42,10 @@ async def log_requests(
             )  # fmt: skip
             continue
         ids = prompt[:n]
-        text = await inputs.run(inputs.tokenizer.decode, ids)
+        text = (await inputs.run(inputs.tokenizer.decode, ids))[:n] if inputs.has_tokenizer else None
         log.info(
             "Received request %s: prompt: %r, params: %s, prompt_token_ids: %s",
-            _name(response_id, i, len(prompts)), text[:n], p, ids,
+            _name(response_id, i, len(prompts)), text, p, ids,
         )  # fmt: skip
 
 

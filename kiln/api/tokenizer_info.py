@@ -14,7 +14,7 @@ from kiln.engine.async_engine import AsyncEngine
 async def tokenizer_info(engine: AsyncEngine, inputs: Inputs, request: Request, body: None) -> dict[str, Any]:
     """As vLLM: the tokenizer's init kwargs less its vocabulary files, special tokens as their text, the
     tokenizer's class, and the chat template the server renders with (--chat-template's where given)."""
-    tokenizer = engine.tokenizer
+    tokenizer = inputs.tokenizer
     config = {k: v for k, v in tokenizer.init_kwargs.items() if k not in ("vocab_file", "merges_file")}
     info: dict[str, Any] = {"tokenizer_class": type(tokenizer).__name__}
     info |= {k: v for k, v in _plain(config).items() if k != "tokenizer_class"}

@@ -12,21 +12,22 @@ import torch
 
 from kiln.engine.bad_words import BadWords, tokenize_bad_words
 from kiln.engine.constraint import Constraint
-from kiln.engine.detokenizer import IncrementalDetokenizer, SequenceText
+from kiln.engine.detokenizer import SequenceText, detokenizer
 from kiln.engine.grammar import Grammars
 from kiln.engine.pooler import Pooler
 from kiln.engine.prompt_embeds import PromptEmbeds
 from kiln.engine.request import Request
 from kiln.engine.thinking import Thinking, ThinkTags
 from kiln.pooling_params import PoolingParams
-from kiln.sampling_params import SamplingParams, truncate_prompt
+from kiln.sampling_params import SamplingParams, StructuredOutputsParams, truncate_prompt
 
 _POOLED = SamplingParams(max_tokens=1)  # an embedding request's: it samples nothing
 
 
 @dataclass(frozen=True, slots=True)
 class Admission:
-    tokenizer: Any  # a fast tokenizer is not safe to share between threads: one Admission per thread
+    tokenizer: Any  # a fast tokenizer is not safe to share between threads: one Admission per thread (None:
+    # skip_tokenizer_init)
     grammars: Grammars
     eos_token_ids: set[int]
     vocab_size: int
@@ -46,6 +47,8 @@ class Admission:
         self, prompt: str | list[int], params: SamplingParams | PoolingParams | None = None
     ) -> list[int]:
         """The prompt's ids, truncated as params ask."""
+        if isinstance(prompt, str) and self.tokenizer is None:
+            raise ValueError("You cannot pass text prompts when `skip_tokenizer_init=True`")
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         if isinstance(params, SamplingParams):
             keep, side = params.truncate_prompt_tokens, params.truncation_side
@@ -110,8 +113,12 @@ class Admission:
             bad = [t for t in getattr(params, name) or () if not 0 <= t < vocab]
             if bad:
                 raise ValueError(f"{name} token ids must be in [0, {vocab}), got {bad[:4]}")
+        if self.tokenizer is None:
+            for name, needs in (("stop", "text to find stop strings in"), ("bad_words", "a tokenizer")):
+                if getattr(params, name):
+                    raise ValueError(f"{name} needs {needs}, and the server runs with skip_tokenizer_init")
         if params.structured_outputs is not None:
-            self.grammars.check(params.structured_outputs)
+            self.check_constraint(params.structured_outputs)
         if params.thinking_token_budget is not None:
             if self.think_tags is None:
                 raise ValueError("thinking_token_budget needs a reasoning parser (--reasoning-parser)")
@@ -122,12 +129,22 @@ class Admission:
                 )
         return tokenize_bad_words(self.tokenizer, params.bad_words, vocab)
 
+    def check_constraint(self, so: StructuredOutputsParams) -> Constraint:
+        """A constraint parsed (thread-safe, cached): ValueError if it is bad, or if there is no tokenizer to
+        compile its grammar against."""
+        if self.tokenizer is None:
+            raise ValueError(
+                "structured_outputs needs a tokenizer to compile a grammar, and the server runs with "
+                "skip_tokenizer_init"
+            )
+        return self.grammars.check(so)
+
     def pooled_request(
         self, request_id: str, ids: list[int], params: PoolingParams, priority: int, cache_salt: str | None
     ) -> Request:
         """An embedding request: it runs its prompt and ends with its embedding."""
         assert self.pooler is not None
-        detokenizer = IncrementalDetokenizer(self.tokenizer, ids, True, True)
+        text = SequenceText(detokenizer(self.tokenizer, ids, True, True), [])
         return Request(
             request_id=request_id,
             parent_id=request_id,
@@ -135,7 +152,7 @@ class Admission:
             token_ids=list(ids),
             num_prompt_tokens=len(ids),
             max_tokens=1,
-            text=SequenceText(detokenizer, []),
+            text=text,
             pooling=self.pooler.sequence(params),
             priority=priority,
             cache_salt=cache_salt or "",
@@ -164,7 +181,7 @@ class Admission:
         and id (request_id-i); only the first scores the prompt. embeds: the prompt's rows, where it was
         given as embeddings (ids then hold placeholders)."""
         so = params.structured_outputs
-        constraint = None if so is None else self.grammars.check(so)  # parsed once, for every sample
+        constraint = None if so is None else self.check_constraint(so)  # parsed once, for every sample
         requests = []
         for i in range(params.n):
             p = (
@@ -207,9 +224,7 @@ class Admission:
         if p.seed is not None:
             generator = torch.Generator(device=self.device).manual_seed(p.seed)
         context = ids if embeds is None else []  # placeholders are no text to follow
-        detokenizer = IncrementalDetokenizer(
-            self.tokenizer, context, p.skip_special_tokens, p.spaces_between_special_tokens
-        )
+        detok = detokenizer(self.tokenizer, context, p.skip_special_tokens, p.spaces_between_special_tokens)
         return Request(
             request_id=request_id,
             parent_id=parent_id,
@@ -217,7 +232,7 @@ class Admission:
             token_ids=list(ids),
             num_prompt_tokens=len(ids),
             max_tokens=min(p.max_tokens or room, room),
-            text=SequenceText(detokenizer, p.stop),
+            text=SequenceText(detok, p.stop),
             generator=generator,
             min_tokens_banned=banned,
             stop_ids=frozenset(p.stop_token_ids),

@@ -156,7 +156,7 @@ class AsyncEngine:
 
     def check_constraint(self, params: StructuredOutputsParams) -> None:
         """Parses a constraint (thread-safe, cached): ValueError if it is bad."""
-        self.engine.grammars.check(params)
+        self.admission.check_constraint(params)
 
     def abort(self, request_id: str) -> None:
         if self._untrack(request_id) is not None:

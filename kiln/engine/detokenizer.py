@@ -43,6 +43,24 @@ class IncrementalDetokenizer:
         return "".join(out)
 
 
+class NoText:
+    """Where there is no tokenizer (skip_tokenizer_init): outputs are token ids, their text empty."""
+
+    def step(self, token_ids: list[int]) -> str:
+        return ""
+
+
+def detokenizer(
+    tokenizer: Any,
+    prompt_ids: list[int],
+    skip_special_tokens: bool,
+    spaces_between_special_tokens: bool = True,
+) -> IncrementalDetokenizer | NoText:
+    if tokenizer is None:
+        return NoText()
+    return IncrementalDetokenizer(tokenizer, prompt_ids, skip_special_tokens, spaces_between_special_tokens)
+
+
 def find_stop(text: str, num_new_chars: int, stops: list[str]) -> tuple[int, str] | None:
     """Earliest stop string that ends within the last num_new_chars characters: (start index, stop)."""
     best: tuple[int, str] | None = None
@@ -60,7 +78,7 @@ class SequenceText:
     outputs show must never include what a stop later trims. The rest is settled, in pieces, so that
     neither a step nor a delta ever copies the whole text."""
 
-    def __init__(self, detokenizer: IncrementalDetokenizer, stop: list[str]) -> None:
+    def __init__(self, detokenizer: IncrementalDetokenizer | NoText, stop: list[str]) -> None:
         self.detokenizer = detokenizer
         self.hold = max(0, max(map(len, stop), default=0) - 1)
         self.settled: list[str] = []

@@ -67,13 +67,16 @@ def _sequence_output(index: int, req: Request, whole: bool) -> CompletionOutput:
 
 
 class TokenWords:
-    """Each token's own text, as logprobs show it; decoded once per token id and remembered."""
+    """Each token's own text, as logprobs show it; decoded once per token id and remembered. Without a
+    tokenizer (skip_tokenizer_init), a token is named by its id, as return_tokens_as_token_ids names it."""
 
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
         self.words: dict[int, str] = {}
 
     def __call__(self, ids: list[int]) -> list[str]:
+        if self.tokenizer is None:
+            return [f"token_id:{t}" for t in ids]
         missing = list({t for t in ids if t not in self.words})
         if missing:
             self.words.update(zip(missing, self.tokenizer.batch_decode([[t] for t in missing]), strict=True))

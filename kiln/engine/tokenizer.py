@@ -14,7 +14,14 @@ from kiln.config import EngineConfig
 log = logging.getLogger(__name__)
 
 
+# What a request that needs text is told where the server runs without a tokenizer (vLLM's words).
+NO_TOKENIZER = "Tokenizer not available when `skip_tokenizer_init=True`"
+
+
 def load_tokenizer(config: EngineConfig, model_path: Path) -> Any:
+    """None with model.skip_tokenizer_init."""
+    if config.model.skip_tokenizer_init:
+        return None
     tokenizer = AutoTokenizer.from_pretrained(config.model.tokenizer or model_path, local_files_only=True)
     if config.model.chat_template is not None:
         tokenizer.chat_template = chat_template(config.model.chat_template)
@@ -72,8 +79,9 @@ def sampling_defaults(config: EngineConfig, model_path: Path) -> dict[str, Any]:
 
 
 def eos_token_ids(tokenizer: Any, model_path: Path) -> set[int]:
-    """The tokenizer's end-of-sequence id, and generation_config.json's (one id or a list), where given."""
-    ids = {tokenizer.eos_token_id} - {None}
+    """The tokenizer's end-of-sequence id (where there is a tokenizer), and generation_config.json's (one id
+    or a list), where given."""
+    ids = {getattr(tokenizer, "eos_token_id", None)} - {None}
     if (model_path / "generation_config.json").is_file():
         eos = GenerationConfig.from_pretrained(model_path).eos_token_id
         ids |= set(eos if isinstance(eos, list) else [eos]) - {None}
