@@ -170,14 +170,15 @@ class App:
         if not self.listening:
             return
         auth = f" -H 'Authorization: Bearer {s.api_keys[0]}'" if s.api_keys else ""
-        body = _encoder.encode(
-            {"model": self.model_name, "messages": [{"role": "user", "content": "Hello!"}]}
-        )
+        path, body = "/v1/chat/completions", {"messages": [{"role": "user", "content": "Hello!"}]}
+        if self.inputs is not None and not self.inputs.has_tokenizer:  # token ids in, token ids out
+            path, body = "/v1/completions", {"prompt": [1, 2, 3], "max_tokens": 8, "return_token_ids": True}
         log.info(
-            "try: curl %s/v1/chat/completions -H 'Content-Type: application/json'%s -d '%s'",
+            "try: curl %s%s -H 'Content-Type: application/json'%s -d '%s'",
             url,
+            path,
             auth,
-            body.decode(),
+            _encoder.encode({"model": self.model_name, **body}).decode(),
         )
 
     def begin_drain(self) -> None:

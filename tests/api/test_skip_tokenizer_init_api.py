@@ -53,7 +53,9 @@ def test_ids_in_ids_out(served: tuple[Server, torch.nn.Module]) -> None:
             if line.startswith("data: {"):
                 streamed += json.loads(line[6:])["choices"][0]["token_ids"] or []
     assert streamed == choice["token_ids"]
-    assert "prompt: None, params: SamplingParams(" in srv.output()  # the request log names no text
+    log = srv.output()
+    assert "prompt: None, params: SamplingParams(" in log  # the request log names no text
+    assert f"try: curl {srv.url}/v1/completions" in log  # not the chat the start-up log suggests elsewhere
 
 
 def test_what_needs_text_is_a_400(served: tuple[Server, torch.nn.Module]) -> None:
