@@ -1,6 +1,7 @@
 """Serving prompts given as embeddings (vLLM's prompt_embeds, both servers started with
 --enable-prompt-embeds): each request a fresh prompt of input-len rows, the embeddings of random token ids
-(so no two requests share a cached prefix), base64 torch.save'd in bfloat16 as vLLM's docs send them;
+(so no two requests share a cached prefix), base64 torch.save'd in bfloat16, with no `prompt` (vLLM 0.32
+refuses `"prompt": ""` beside them: "The decoder prompt cannot be empty");
 output-len tokens out, greedy, ignore_eos, streamed; at each concurrency, against one server URL.
 Reports output tok/s, TTFT p50 and TPOT p50, and checks every request gave output-len tokens.
 
@@ -46,7 +47,7 @@ def payloads(weight: torch.Tensor, n: int, length: int, seed: int) -> list[str]:
 
 async def one(client: httpx.AsyncClient, url: str, model: str, embeds: str, output_len: int) -> dict:
     body = {
-        "model": model, "prompt": "", "prompt_embeds": embeds, "max_tokens": output_len, "temperature": 0,
+        "model": model, "prompt_embeds": embeds, "max_tokens": output_len, "temperature": 0,
         "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True},
     }  # fmt: skip
     start = time.perf_counter()
