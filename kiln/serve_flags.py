@@ -233,6 +233,11 @@ SERVE_FLAGS: dict[str, tuple[str, str, dict]] = {
         "enable_prompt_tokens_details",
         {"action": "store_true", "help": "usage.prompt_tokens_details.cached_tokens"},
     ),
+    "--enable-per-request-metrics": (
+        "server",
+        "enable_per_request_metrics",
+        {"action": "store_true", "help": "each reply's timings as `metrics`"},
+    ),
     "--tokenizer": ("model", "tokenizer", {"help": "a tokenizer folder (default: the model's)"}),
     "--enable-prompt-embeds": ("model", "enable_prompt_embeds", {"action": "store_true"}),
     "--skip-tokenizer-init": (

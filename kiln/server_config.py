@@ -59,6 +59,9 @@ class ServerConfig(Section):
     # vLLM's: each usage also gives prompt_tokens_details.cached_tokens, the prompt tokens served from the
     # prefix cache.
     enable_prompt_tokens_details: bool = False
+    # vLLM's --enable-per-request-metrics: a one-prompt, n = 1 completion or chat reply carries `metrics`, its
+    # timings (in a stream, on the usage chunk).
+    enable_per_request_metrics: bool = False
     # vLLM's --enable-log-requests: each request's prompt and sampling params, logged as it is queued;
     # --max-log-len cuts the prompt's text and ids to that many (null: whole).
     enable_log_requests: bool = False

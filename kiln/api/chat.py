@@ -29,13 +29,16 @@ from kiln.api.serving import (
     ids_if,
     merged,
     prompt_logprobs,
+    request_metrics,
     response_id,
     sampling_params,
     start_all,
+    usage_chunk,
 )
 from kiln.api.streaming import events, every, sse, stream_interval, usage, usage_asked
 from kiln.api.tool_calls import ToolCallStream, call_id, forced_call_schema, mistral_call_id
 from kiln.engine.async_engine import AsyncEngine
+from kiln.engine.request_stream import RequestStream
 from kiln.sampling_params import truncate_prompt
 from kiln.server_config import ServerConfig
 
@@ -101,16 +104,17 @@ async def chat(
     think = None if calls and engine.admission.constrain_thinking else engine.reasoning_parser
     reading = functools.partial(Reading.start, think, auto, body.tools or [], body.include_reasoning)
     await log_requests(inputs, rid, [ids], [params])
+    streams: list[RequestStream] = []  # (beam search's requests are its own: no metrics)
     if body.use_beam_search:
         outputs = await beam_search_all(engine, request, body, rid, [ids], [params])
     else:
         streams = start_all(engine, request, body, rid, [ids], [params])
         if body.stream:
-            usage_chunk = functools.partial(ChatCompletionChunk, id=rid, model=model)
+            last = usage_chunk(ChatCompletionChunk, streams, server, id=rid, model=model)
             chunks = Chunks(rid, model, k, calls, call_stream, body, role, echo, reading, prompt_text)
             outputs = logged(server, rid, 1, merged(streams))
             outputs = every(outputs, stream_interval(body, server.stream_interval))
-            return events(outputs, 1, chunks, usage_chunk, usage_asked(body, cached))
+            return events(outputs, 1, chunks, last, usage_asked(body, cached))
         outputs = await final_outputs(request, streams)
     if outputs is None:
         return None
@@ -141,6 +145,7 @@ async def chat(
         model=model,
         choices=choices,
         usage=usage(outputs, cached),
+        metrics=request_metrics(streams, server),
         prompt_logprobs=prompt_logprobs(out, body.prompt_logprobs),
         prompt_token_ids=ids_if(body.return_token_ids, out.prompt_token_ids),
         prompt_text=prompt_text,

@@ -25,15 +25,18 @@ from kiln.api.serving import (
     ids_if,
     merged,
     prompt_logprobs,
+    request_metrics,
     response_id,
     sampling_params,
     start_all,
     token_text,
+    usage_chunk,
 )
 from kiln.api.streaming import ChoiceDelta, every, stream_interval, stream_response, usage, usage_asked
 from kiln.engine.async_engine import AsyncEngine
 from kiln.engine.request import PositionLogprobs
 from kiln.engine.request_output import CompletionOutput, RequestOutput
+from kiln.engine.request_stream import RequestStream
 
 
 async def create_completion(
@@ -73,6 +76,7 @@ async def create_completion(
     rid = response_id("cmpl-", request, body.request_id)
     cached = inputs.limits.enable_prompt_tokens_details
     await log_requests(inputs, rid, [p.engine_prompt for p in prompts], params)
+    streams: list[RequestStream] = []  # (beam search's requests are its own: no metrics)
     if body.use_beam_search:
         if body.prompt_embeds is not None:
             raise APIError(400, "use_beam_search is not supported with prompt embeds", "use_beam_search")
@@ -80,14 +84,14 @@ async def create_completion(
     else:
         streams = start_all(engine, request, body, rid, [p.engine_prompt for p in prompts], params)
         if body.stream:
-            usage_chunk = functools.partial(CompletionResponse, id=rid, model=model)
+            last = usage_chunk(CompletionResponse, streams, inputs.limits, id=rid, model=model)
             chunks = functools.partial(_chunks, rid, model, body, texts, engine.tokenizer)
             outputs = logged(inputs.limits, rid, len(prompts), merged(streams))
             outputs = every(outputs, stream_interval(body, inputs.limits.stream_interval))
             outputs = _without_completions(outputs) if prompt_only else outputs
             asked = usage_asked(body, cached)
             return stream_response(
-                outputs, body.n, chunks, usage_chunk, asked, inputs.limits.sse_keep_alive_interval
+                outputs, body.n, chunks, last, asked, inputs.limits.sse_keep_alive_interval
             )
         finals = await final_outputs(request, streams)
     if finals is None:
@@ -100,7 +104,10 @@ async def create_completion(
         for i, out in enumerate(finals)
         for c in out.outputs
     ]
-    return CompletionResponse(id=rid, model=model, choices=choices, usage=usage(finals, cached))
+    metrics = request_metrics(streams, inputs.limits)
+    return CompletionResponse(
+        id=rid, model=model, choices=choices, usage=usage(finals, cached), metrics=metrics
+    )
 
 
 def _prompt_alone(out: RequestOutput) -> RequestOutput:

@@ -50,11 +50,23 @@ class CompletionChoice(msgspec.Struct):
     token_ids: list[int] | UnsetType = UNSET
 
 
+class RequestMetrics(msgspec.Struct):
+    """vLLM's per-request metrics (--enable-per-request-metrics), from when the request was first
+    scheduled; a field is null where its times are unknown (mean_itl_ms: one token)."""
+
+    time_to_first_token_ms: float | None
+    generation_time_ms: float | None  # first token to last
+    queue_time_ms: float | None
+    mean_itl_ms: float | None
+    tokens_per_second: float | None  # output tokens over the time from scheduling to the last
+
+
 class CompletionResponse(msgspec.Struct, kw_only=True):
     id: str
     model: str
     choices: list[CompletionChoice]
     usage: Usage | None = None
+    metrics: RequestMetrics | UnsetType = UNSET
     object: Literal["text_completion"] = "text_completion"
     created: int = msgspec.field(default_factory=_now)
 
@@ -97,6 +109,7 @@ class ChatCompletionResponse(msgspec.Struct, kw_only=True):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    metrics: RequestMetrics | UnsetType = UNSET
     prompt_logprobs: list[PositionLogprobs | None] | UnsetType = UNSET  # vLLM's, as asked
     prompt_token_ids: list[int] | UnsetType = UNSET
     prompt_text: str | UnsetType = UNSET  # vLLM's return_prompt_text
@@ -137,6 +150,7 @@ class ChatCompletionChunk(msgspec.Struct, kw_only=True):
     model: str
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
+    metrics: RequestMetrics | UnsetType = UNSET  # on the usage chunk
     prompt_token_ids: list[int] | UnsetType = UNSET  # the first chunk's, with return_token_ids
     prompt_text: str | UnsetType = UNSET  # the first chunk's, with return_prompt_text
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"

@@ -7,8 +7,8 @@ from __future__ import annotations
 import asyncio
 import json
 import uuid
-from collections.abc import AsyncIterator, Sequence
-from typing import Any
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import Any, TypeVar
 
 from msgspec import UNSET, UnsetType
 from starlette.requests import Request
@@ -16,6 +16,7 @@ from starlette.requests import Request
 from kiln.api.errors import APIError
 from kiln.api.inputs import Inputs
 from kiln.api.protocol import _PooledInputRequest, _SamplingRequest, _ScoringRequest
+from kiln.api.responses import RequestMetrics
 from kiln.engine.async_engine import AsyncEngine
 from kiln.engine.prompt_embeds import PromptEmbeds
 from kiln.engine.request import PositionLogprobs
@@ -23,6 +24,9 @@ from kiln.engine.request_output import RequestOutput, merge
 from kiln.engine.request_stream import RequestStream
 from kiln.pooling_params import PoolingParams
 from kiln.sampling_params import SamplingParams, StructuredOutputsParams
+from kiln.server_config import ServerConfig
+
+T = TypeVar("T")
 
 # The sampling fields a request may leave unset for the model's generation config to set.
 _DEFAULTED = (
@@ -266,3 +270,31 @@ def token_text(token_id: int, text: str, as_ids: bool) -> str:
 def ids_if(asked: bool, ids: list[int]) -> list[int] | UnsetType:
     """vLLM's return_token_ids: the ids when asked, else left out of the response."""
     return ids if asked else UNSET
+
+
+def request_metrics(streams: Sequence[RequestStream], server: ServerConfig) -> RequestMetrics | UnsetType:
+    """vLLM's per-request metrics (--enable-per-request-metrics), for one prompt of one sequence, as vLLM
+    gives them (several would not be one request's timings)."""
+    if not server.enable_per_request_metrics or len(streams) != 1 or streams[0].seqs != 1:
+        return UNSET
+    s = streams[0]
+    scheduled, first, last, n = s.scheduled_at, s.first_token_at, s.last_token_at, s.num_tokens
+
+    def ms(start: float, end: float) -> float | None:
+        return (end - start) * 1000 if start and end else None
+
+    return RequestMetrics(
+        time_to_first_token_ms=ms(scheduled, first),
+        generation_time_ms=ms(first, last),
+        queue_time_ms=ms(s.arrival, scheduled),
+        mean_itl_ms=(last - first) * 1000 / (n - 1) if first and n > 1 else None,
+        tokens_per_second=n / (last - scheduled) if scheduled and last > scheduled else None,
+    )
+
+
+def usage_chunk(
+    kind: Callable[..., T], streams: Sequence[RequestStream], server: ServerConfig, **fixed: Any
+) -> Callable[..., T]:
+    """A stream's last chunk, of the endpoint's kind: its usage, and the request's metrics as they stand
+    when it is sent (at the end)."""
+    return lambda **fields: kind(**fixed, **fields, metrics=request_metrics(streams, server))

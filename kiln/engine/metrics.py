@@ -192,6 +192,7 @@ class Metrics:
         the tokens it counted (its prompt's, at its first output, and the new ones), for the step's."""
         new_tokens = sum(len(o.token_ids) for o in out.outputs)
         counted = new_tokens
+        stream.scheduled_at = stream.scheduled_at or out.scheduled_at
         if out.embedding is not None or (new_tokens and stream.num_tokens == 0):
             self.prompt_tokens.inc(len(out.prompt_token_ids))
             self.cached_tokens.inc(out.num_cached_tokens)

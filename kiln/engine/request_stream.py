@@ -22,6 +22,7 @@ class RequestStream:
     params: SamplingParams | PoolingParams
     queue: asyncio.Queue[RequestOutput | BaseException] = field(default_factory=asyncio.Queue)
     arrival: float = field(default_factory=time.monotonic)
+    scheduled_at: float = 0.0  # time.monotonic() when first scheduled (the engine's output says)
     first_token_at: float = 0.0
     last_token_at: float = 0.0
     num_tokens: int = 0

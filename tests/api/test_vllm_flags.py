@@ -50,7 +50,7 @@ def flagged(
         *("--return-tokens-as-token-ids", "--enable-force-include-usage", "--trust-request-chat-template"),
         *("--default-chat-template-kwargs", json.dumps({"greeting": "Ahoy"}), "--disable-uvicorn-access-log"),
         *("--trust-remote-code", "--middleware", "tests.api.middleware_example.stamp"),
-        *("--kv-cache-dtype", "fp8"),
+        *("--kv-cache-dtype", "fp8", "--enable-per-request-metrics"),
     ]
     srv = start_server(tmp_path_factory.mktemp("serve-flags"), config, *flags, tls=trust)
     yield srv
@@ -113,6 +113,29 @@ def test_the_kv_cache_is_fp8_and_serves(flagged: Server, trust: ssl.SSLContext) 
         flagged, trust, "/v1/completions", {"prompt": "hello " * 40, "max_tokens": 8, "ignore_eos": True}
     )
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 8
+
+
+def test_per_request_metrics(flagged: Server, trust: ssl.SSLContext) -> None:
+    """--enable-per-request-metrics: a one-prompt, n = 1 reply's timings, as vLLM derives them from when
+    it was scheduled; in a stream, on the usage chunk; none for n = 2."""
+    body = {"prompt": "hello " * 20, "max_tokens": 6, "ignore_eos": True}
+    m = call(flagged, trust, "/v1/completions", body).json()["metrics"]
+    assert set(m) == {"time_to_first_token_ms", "generation_time_ms", "queue_time_ms", "mean_itl_ms",
+                      "tokens_per_second"}  # fmt: skip
+    assert m["time_to_first_token_ms"] > 0 and m["queue_time_ms"] >= 0 and m["generation_time_ms"] > 0
+    assert m["mean_itl_ms"] == pytest.approx(m["generation_time_ms"] / 5)
+    inference_s = (m["time_to_first_token_ms"] + m["generation_time_ms"]) / 1000
+    assert m["tokens_per_second"] == pytest.approx(6 / inference_s)
+    assert "metrics" not in call(flagged, trust, "/v1/completions", {**body, "n": 2}).json()
+    chat = {"messages": HI, "max_tokens": 3, "stream": True, "stream_options": {"include_usage": True}}
+    with httpx.stream(
+        "POST", f"{flagged.url}/v1/chat/completions", json=chat, headers=AUTH, verify=trust
+    ) as s:
+        chunks = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: {")]
+    assert [("metrics" in c) for c in chunks] == [False] * (len(chunks) - 1) + [True]
+    assert (
+        chunks[-1]["metrics"]["time_to_first_token_ms"] > 0 and chunks[-1]["usage"]["completion_tokens"] == 3
+    )
 
 
 def test_the_access_log_is_off_and_remote_code_is_named(flagged: Server) -> None:
