@@ -142,6 +142,8 @@ class Inputs:
             )
 
     def check_chars(self, chars: int, param: str) -> None:
+        if chars and not self.has_tokenizer:
+            raise APIError(400, NO_TOKENIZER)
         if chars > self.max_prompt_chars:
             raise APIError(
                 400,
@@ -162,8 +164,8 @@ class Inputs:
         prompts = [] if prompt is None or prompt == "" else prompt_list(prompt)
         if not prompts and not embedded:
             raise APIError(400, "Either prompt or prompt_embeds must be provided and non-empty.", "prompt")
-        if echo or any(isinstance(p, str) for p in prompts):
-            self.tokenizer  # noqa: B018 (text: a 400 without one)
+        if echo:
+            self.tokenizer  # noqa: B018 (the prompt's text: a 400 without one)
         if len(embedded) + len(prompts) > self.limits.max_completion_prompts:
             raise APIError(
                 400,
