@@ -22,6 +22,7 @@ def test_rates_over_the_span_and_quiet_when_idle() -> None:
         lambda: {
             **state(),
             "preemptions": 0,
+            "deferred": 0,
             "grammars": GrammarStats(),
             "lora": None,
             "drafts": None,
