@@ -132,10 +132,9 @@ class Admission:
     def check_constraint(self, so: StructuredOutputsParams) -> Constraint:
         """A constraint parsed (thread-safe, cached): ValueError if it is bad, or if there is no tokenizer to
         compile its grammar against."""
-        if self.tokenizer is None:
+        if self.tokenizer is None:  # (vLLM's words)
             raise ValueError(
-                "structured_outputs needs a tokenizer to compile a grammar, and the server runs with "
-                "skip_tokenizer_init"
+                "Structured outputs requires a tokenizer so it can't be used with 'skip_tokenizer_init'"
             )
         return self.grammars.check(so)
 

@@ -49,7 +49,7 @@ def test_what_needs_text_is_refused(tiny: tuple[LLM, torch.nn.Module]) -> None:
         ("^stop needs text", IDS, SamplingParams(stop=["x"])),
         ("^bad_words needs a tokenizer", IDS, SamplingParams(bad_words=["x"])),
         (
-            "^structured_outputs needs a tokenizer",
+            "^Structured outputs requires a tokenizer so it can't be used with 'skip_tokenizer_init'",
             IDS,
             SamplingParams(structured_outputs=StructuredOutputsParams(regex="a+")),
         ),
