@@ -79,6 +79,9 @@ class ModelConfig(Section):
     # (or embeddings), outputs token ids with empty text; whatever needs text (chat, text prompts, stop
     # strings, bad words, structured outputs, a reasoning parser) is refused.
     skip_tokenizer_init: bool = False
+    # vLLM's --disable-sliding-window: a sliding-window model attends to its whole context, which is then no
+    # longer than the window (within it the two agree). Changes nothing for a model without one.
+    disable_sliding_window: bool = False
 
     def __post_init__(self) -> None:
         if self.skip_tokenizer_init and self.reasoning_parser is not None:

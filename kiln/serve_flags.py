@@ -240,6 +240,11 @@ SERVE_FLAGS: dict[str, tuple[str, str, dict]] = {
     ),
     "--tokenizer": ("model", "tokenizer", {"help": "a tokenizer folder (default: the model's)"}),
     "--enable-prompt-embeds": ("model", "enable_prompt_embeds", {"action": "store_true"}),
+    "--disable-sliding-window": (
+        "model",
+        "disable_sliding_window",
+        {"action": "store_true", "help": "full attention, the context capped at the window"},
+    ),
     "--skip-tokenizer-init": (
         "model",
         "skip_tokenizer_init",

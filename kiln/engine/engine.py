@@ -65,12 +65,17 @@ class LLMEngine:
         if self.pinned is not None:
             torch.set_num_threads(len(self.pinned))
         spec, dims, dtype = inspect_model(path, config.model.dtype, device, config.model.hf_overrides)
-        self.max_model_len = config.model.max_model_len or dims.max_positions
-        if self.max_model_len > dims.max_positions:
-            raise ValueError(
-                f"max_model_len {self.max_model_len} exceeds the model's max_position_embeddings "
-                f"{dims.max_positions}"
-            )
+        longest, what = dims.max_positions, "max_position_embeddings"
+        if config.model.disable_sliding_window and dims.sliding_window:
+            longest, what = min(longest, dims.sliding_window), "sliding_window (--disable-sliding-window)"
+            # As vLLM: the window leaves the model's config, so the model is built with full attention.
+            overrides = {**(config.model.hf_overrides or {}), "sliding_window": None}
+            model = msgspec.structs.replace(config.model, hf_overrides=overrides)
+            config = msgspec.structs.replace(config, model=model)
+            spec, dims, dtype = inspect_model(path, config.model.dtype, device, overrides)
+        self.max_model_len = config.model.max_model_len or longest
+        if self.max_model_len > longest:
+            raise ValueError(f"max_model_len {self.max_model_len} exceeds the model's {what} {longest}")
         if device.type == "cuda":
             gpu = torch.cuda.get_device_properties(device)
             scheduler = config.scheduler.on("cuda", gpu.total_memory, gpu.name, self.max_model_len)
