@@ -18,6 +18,7 @@ from kiln.engine.pooler import check_pairs, pair_scores
 from kiln.engine.prompt_embeds import PromptEmbeds
 from kiln.engine.request_output import RequestOutput
 from kiln.engine.tokenizer import NO_TOKENIZER
+from kiln.llm_inputs import Prompt, as_batch, params_for, per_prompt
 from kiln.lora_request import LoRARequest
 from kiln.pooling_output import (
     ClassificationOutput,
@@ -32,7 +33,6 @@ from kiln.pooling_output import (
 from kiln.pooling_params import PoolingParams
 from kiln.sampling_params import SamplingParams
 
-Prompt = str | list[int] | dict[str, Any]
 Message = dict[str, Any]
 
 
@@ -62,8 +62,8 @@ class LLM:
         optional "cache_salt"); outputs keep their order. priority: one per prompt, smaller first
         (the engine's scheduler.policy must be "priority"). lora_request: the LoRA adapter of every prompt,
         or one per prompt (the engine made with enable_lora=True)."""
-        batch = _as_batch(prompts)
-        params = _params_for(batch, sampling_params, self.engine.sampling_defaults)
+        batch = as_batch(prompts)
+        params = params_for(batch, sampling_params, self.engine.sampling_defaults)
         return self._run(self._add(batch, params, priority, lora_request), use_tqdm)
 
     def embed(
@@ -75,7 +75,7 @@ class LLM:
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[EmbeddingRequestOutput]:
         """vLLM's, for a pooling model (runner="pooling"): each prompt's embedding (prompts as generate)."""
-        batch = _as_batch(prompts)
+        batch = as_batch(prompts)
         if pooling_params is None or isinstance(pooling_params, PoolingParams):
             params = [pooling_params or PoolingParams()] * len(batch)
         elif len(pooling_params) != len(batch):
@@ -94,7 +94,7 @@ class LLM:
         seconds = [data_2] if isinstance(data_2, str) else list(data_2)
         check_pairs(len(firsts), len(seconds))
         params = [PoolingParams()] * (len(firsts) + len(seconds))
-        outs = self._run(self._add(_as_batch(firsts + seconds), params, None), use_tqdm)
+        outs = self._run(self._add(as_batch(firsts + seconds), params, None), use_tqdm)
         vectors = [_vector(o) for o in outs]
         scores = pair_scores(vectors[: len(firsts)], vectors[len(firsts) :])
         a = outs[: len(firsts)] * (len(seconds) if len(firsts) == 1 else 1)
@@ -112,7 +112,7 @@ class LLM:
         self, prompts: Prompt | Sequence[Prompt], use_tqdm: bool = True
     ) -> list[ClassificationRequestOutput]:
         """vLLM's, for a sequence classifier: each prompt's class probabilities (prompts as generate)."""
-        batch = _as_batch(prompts)
+        batch = as_batch(prompts)
         outs = self._run(self._add(batch, [PoolingParams()] * len(batch), None), use_tqdm)
         return [_pooled(o, ClassificationOutput(_vector(o).tolist())) for o in outs]
 
@@ -126,7 +126,7 @@ class LLM:
         """Queues the batch; its request ids. A bad prompt leaves nothing of the call queued."""
         if priority is not None and len(priority) != len(batch):
             raise ValueError(f"got {len(priority)} priorities for {len(batch)} prompts")
-        loras = _per_prompt(lora_request, len(batch))
+        loras = per_prompt(lora_request, len(batch))
         ids = [f"offline-{next(self._ids)}" for _ in batch]
         added: list[str] = []
         try:
@@ -150,8 +150,8 @@ class LLM:
         """vLLM's: each prompt's params.beam_width best beams (kiln.engine.beam_search), the best first;
         a sequence's tokens and text hold the prompt too, as vLLM's. Prompts and lora_request as for
         generate."""
-        batch = _as_batch(prompts)
-        loras = _per_prompt(lora_request, len(batch))
+        batch = as_batch(prompts)
+        loras = per_prompt(lora_request, len(batch))
         eos = frozenset(self.engine.eos_token_ids)
         searches = []
         for prompt, salt in batch:
@@ -256,57 +256,3 @@ def _vector(out: RequestOutput) -> torch.Tensor:
 
 def _pooled(out: RequestOutput, outputs: Out) -> PoolingRequestOutput[Out]:
     return PoolingRequestOutput(out.request_id, out.prompt_token_ids, out.finished, outputs)
-
-
-def _as_batch(prompts: Prompt | Sequence[Prompt]) -> list[tuple[str | list[int] | PromptEmbeds, str | None]]:
-    """Each prompt as (its text, ids or embeddings; its cache salt)."""
-    if isinstance(prompts, str | dict) or (
-        isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
-    ):
-        prompts = [prompts]  # type: ignore[list-item]
-    return [_prompt(p) for p in prompts]
-
-
-def _prompt(p: Prompt) -> tuple[str | list[int] | PromptEmbeds, str | None]:
-    if not isinstance(p, dict):
-        return p, None
-    kinds = ("prompt", "prompt_token_ids", "prompt_embeds")
-    unknown = set(p) - {*kinds, "cache_salt"}
-    if unknown:
-        raise ValueError(
-            "prompt dicts take prompt, prompt_token_ids or prompt_embeds, and cache_salt, "
-            f"not {sorted(unknown)}"
-        )
-    given = [k for k in kinds if k in p]
-    if len(given) != 1:
-        raise ValueError("a prompt dict needs exactly one of prompt, prompt_token_ids and prompt_embeds")
-    if given[0] == "prompt_embeds":
-        if not isinstance(p["prompt_embeds"], torch.Tensor):
-            raise ValueError(f"prompt_embeds must be a torch.Tensor, not {type(p['prompt_embeds']).__name__}")
-        return PromptEmbeds(p["prompt_embeds"]), p.get("cache_salt")
-    return p[given[0]], p.get("cache_salt")
-
-
-def _params_for(
-    batch: list[Any], params: SamplingParams | Sequence[SamplingParams] | None, defaults: dict[str, Any]
-) -> list[SamplingParams]:
-    """None: the model's recommended sampling (its generation config), as vLLM's LLM."""
-    if params is None:
-        return [SamplingParams(**defaults)] * len(batch)
-    if isinstance(params, SamplingParams):
-        return [params] * len(batch)
-    if len(params) != len(batch):
-        raise ValueError(f"got {len(params)} sampling params for {len(batch)} prompts")
-    return list(params)
-
-
-def _per_prompt(
-    lora_request: LoRARequest | Sequence[LoRARequest | None] | None, n: int
-) -> list[LoRARequest | None]:
-    if lora_request is None or isinstance(lora_request, LoRARequest):
-        return [lora_request] * n
-    if len(lora_request) != n:
-        raise ValueError(
-            f"The lengths of prompts ({n}) and lora_request ({len(lora_request)}) must be the same."
-        )
-    return list(lora_request)

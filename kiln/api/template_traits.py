@@ -8,8 +8,8 @@ import logging
 from dataclasses import dataclass
 from typing import Any, get_args
 
+from kiln.api.chat_render import render_messages
 from kiln.api.errors import APIError
-from kiln.api.inputs import render_messages
 from kiln.api.messages_protocol import Effort
 from kiln.api.protocol import ChatCompletionRequest, ChatMessage
 from kiln.server_config import ServerConfig

@@ -8,14 +8,15 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import msgspec
 import torch
 
 from kiln.compile.buckets import BucketPlan
 from kiln.compile.cache import import_builds
 from kiln.config import EngineConfig
 from kiln.models.decoder import DecoderModel
-from kiln.models.loader import DTYPES, load_model
-from kiln.models.spec import ModelDims
+from kiln.models.loader import DTYPES, inspect_model, load_model
+from kiln.models.spec import ArchSpec, ModelDims
 from kiln.ops.attention import kv_cache_dtype
 from kiln.ops.backend import Backend, choose_backend
 from kiln.ops.lora import LoraDims
@@ -32,13 +33,44 @@ class Built:
     kernels_s: float  # choosing the backend and building its kernels; the rest was loading weights
 
 
-def build_model(
-    config: EngineConfig, path: Path, device: torch.device, dims: ModelDims, dtype: torch.dtype,
-    max_model_len: int,
-) -> Built:  # fmt: skip
+@dataclass(slots=True)
+class Shape:
+    config: EngineConfig  # the scheduler's limits set for the device; hf_overrides as the model was read
+    spec: ArchSpec
+    dims: ModelDims
+    dtype: torch.dtype
+    max_model_len: int
+
+
+def model_shape(config: EngineConfig, path: Path, device: torch.device) -> Shape:
+    """The model's architecture, shapes and serving dtype, and the context the engine serves: the
+    config's max_model_len, within the model's positions (and its sliding window, where
+    --disable-sliding-window makes attention full)."""
+    spec, dims, dtype = inspect_model(path, config.model.dtype, device, config.model.hf_overrides)
+    longest, what = dims.max_positions, "max_position_embeddings"
+    if config.model.disable_sliding_window and dims.sliding_window:
+        longest, what = min(longest, dims.sliding_window), "sliding_window (--disable-sliding-window)"
+        # As vLLM: the window leaves the model's config, so the model is built with full attention.
+        overrides = {**(config.model.hf_overrides or {}), "sliding_window": None}
+        model = msgspec.structs.replace(config.model, hf_overrides=overrides)
+        config = msgspec.structs.replace(config, model=model)
+        spec, dims, dtype = inspect_model(path, config.model.dtype, device, overrides)
+    max_model_len = config.model.max_model_len or longest
+    if max_model_len > longest:
+        raise ValueError(f"max_model_len {max_model_len} exceeds the model's {what} {longest}")
+    if device.type == "cuda":
+        gpu = torch.cuda.get_device_properties(device)
+        scheduler = config.scheduler.on("cuda", gpu.total_memory, gpu.name, max_model_len)
+    else:
+        scheduler = config.scheduler.on(device.type, max_model_len=max_model_len)
+    return Shape(msgspec.structs.replace(config, scheduler=scheduler), spec, dims, dtype, max_model_len)
+
+
+def build_model(shape: Shape, path: Path, device: torch.device) -> Built:
     # The kernels' part: choosing the backend loads kiln_cpu (built on first use), making the attention
     # builds FlashInfer's modules (or finds them built, in the cache root or an imported export).
     start = time.perf_counter()
+    config, dims, dtype = shape.config, shape.dims, shape.dtype
     if config.compile.cache_file is not None:
         import_builds(Path(config.compile.cache_file), cache_root())
     b = config.backend
@@ -58,7 +90,7 @@ def build_model(
         )
     max_graph_batch = BucketPlan.from_config(config).decode_sizes[-1]
     attention = backend.make_attention(
-        dims, config.cache.block_size, max_model_len, max_graph_batch, dtype, kv_dtype, device
+        dims, config.cache.block_size, shape.max_model_len, max_graph_batch, dtype, kv_dtype, device
     )
     kernels = backend.layer_kernels(device, dtype)
     built = time.perf_counter() - start

@@ -17,7 +17,7 @@ from kiln.config import EngineConfig
 from kiln.engine.admission import Admission
 from kiln.engine.bad_words import BadWords
 from kiln.engine.block_manager import BlockManager
-from kiln.engine.build import build_model
+from kiln.engine.build import build_model, model_shape
 from kiln.engine.dummy_steps import DummySteps
 from kiln.engine.grammar import Grammars
 from kiln.engine.lora_slots import LoraSlots
@@ -33,7 +33,7 @@ from kiln.engine.step_result import StepResult
 from kiln.engine.thinking import ThinkTags
 from kiln.engine.tokenizer import eos_token_ids, load_tokenizer, sampling_defaults
 from kiln.lora_request import LoRARequest
-from kiln.models.loader import inspect_model, resolve_model
+from kiln.models.loader import resolve_model
 from kiln.models.registry import headless
 from kiln.ops.cpu import threads
 from kiln.paths import cache_root
@@ -64,26 +64,10 @@ class LLMEngine:
         self.pinned = threads.resolve(b.cpu_threads_bind, own_thread) if device.type == "cpu" else None
         if self.pinned is not None:
             torch.set_num_threads(len(self.pinned))
-        spec, dims, dtype = inspect_model(path, config.model.dtype, device, config.model.hf_overrides)
-        longest, what = dims.max_positions, "max_position_embeddings"
-        if config.model.disable_sliding_window and dims.sliding_window:
-            longest, what = min(longest, dims.sliding_window), "sliding_window (--disable-sliding-window)"
-            # As vLLM: the window leaves the model's config, so the model is built with full attention.
-            overrides = {**(config.model.hf_overrides or {}), "sliding_window": None}
-            model = msgspec.structs.replace(config.model, hf_overrides=overrides)
-            config = msgspec.structs.replace(config, model=model)
-            spec, dims, dtype = inspect_model(path, config.model.dtype, device, overrides)
-        self.max_model_len = config.model.max_model_len or longest
-        if self.max_model_len > longest:
-            raise ValueError(f"max_model_len {self.max_model_len} exceeds the model's {what} {longest}")
-        if device.type == "cuda":
-            gpu = torch.cuda.get_device_properties(device)
-            scheduler = config.scheduler.on("cuda", gpu.total_memory, gpu.name, self.max_model_len)
-        else:
-            scheduler = config.scheduler.on(device.type, max_model_len=self.max_model_len)
-        config = msgspec.structs.replace(config, scheduler=scheduler)
-        self.config = config
-        built = build_model(config, path, device, dims, dtype, self.max_model_len)
+        shape = model_shape(config, path, device)
+        self.config = config = shape.config
+        dims, self.max_model_len = shape.dims, shape.max_model_len
+        built = build_model(shape, path, device)
         self.backend, self.model = built.backend, built.model
         self.timings = {"kernels": built.kernels_s, "weights": time.perf_counter() - clock - built.kernels_s}
         clock = time.perf_counter()
@@ -97,7 +81,9 @@ class LLMEngine:
         self.grammars = Grammars(
             lambda: load_tokenizer(config, path), dims.vocab_size, self.eos_token_ids, compact
         )
-        self.pooler = resolve_pooler(config.model, path, dims.hidden_size, headless(spec), self.model.score)
+        self.pooler = resolve_pooler(
+            config.model, path, dims.hidden_size, headless(shape.spec), self.model.score
+        )
         self.runner = ModelRunner(
             self.model, config, self.max_model_len, self.backend, self.grammars, self.pooler is not None,
             built.kv_dtype,
@@ -125,7 +111,7 @@ class LLMEngine:
         self.runner.allocate_kv(num_blocks)
         cache, sched = config.cache, config.scheduler
         self.block_manager = BlockManager(num_blocks, cache.block_size, cache.enable_prefix_caching)
-        chunk = sched.prefill_chunk(device.type, self.backend.tiles(dtype))
+        chunk = sched.prefill_chunk(device.type, self.backend.tiles(shape.dtype))
         speculative = sched.speculative_config
         drafter = None if speculative is None else Drafter(speculative)
         loras = config.lora.max_loras if config.lora.enable_lora else None

@@ -14,7 +14,7 @@ import openai
 import pytest
 from transformers import AutoTokenizer
 
-from kiln.api.inputs import render_messages
+from kiln.api.chat_render import render_messages
 from kiln.api.protocol import ChatCompletionRequest
 from kiln.config import EngineConfig
 from kiln.engine.tokenizer import chat_template, load_tokenizer
