@@ -1,6 +1,7 @@
-"""Chooses each step's work: running requests first, then waiting ones, within a token budget; no request
-prefills more than `chunk` tokens in a step (vLLM's long_prefill_token_threshold), so a short prompt that
-arrives while a long one is chunked starts beside it. Requests rank by (priority, arrival): waiting ones
+"""Chooses each step's work: running requests first, then waiting ones, within a token budget. Long prompts
+(more than `chunk` tokens left: vLLM's long_prefill_token_threshold) share `chunk` tokens apiece of a step,
+handed out oldest first, so a short prompt that arrives while long ones are chunked starts beside them, and
+long prompts that arrive together finish in turn. Requests rank by (priority, arrival): waiting ones
 are admitted in that order, and the last-ranked running one is preempted first. Priorities stay 0 under
 the fcfs policy, which leaves arrival order."""
 
@@ -81,6 +82,8 @@ class Scheduler:
 
     def schedule(self) -> ScheduledBatch:
         budget = self.max_num_batched_tokens
+        allowance = self._long_allowance()
+        longs: set[Request] = set()  # those that took of the allowance
         batch = ScheduledBatch([], [])
         max_drafts = 0 if self.drafter is None else self.drafter.k_for(len(self.running))
         i = 0
@@ -89,7 +92,11 @@ class Scheduler:
             if req.ends_by_length:
                 i += 1
                 continue
-            num_new = min(req.num_tokens + req.num_pending - req.num_computed_tokens, self.chunk, budget)
+            left = req.num_tokens + req.num_pending - req.num_computed_tokens
+            num_new = min(left, budget, allowance if left > self.chunk else left)
+            if num_new == 0:  # a long prefill whose older peers took this step's share
+                i += 1
+                continue
             drafts = None
             if max_drafts:
                 drafts = self._drafts(req, min(max_drafts, budget - 1), len(self.running) - i - 1)
@@ -102,7 +109,9 @@ class Scheduler:
                     if victim in batch.requests:  # it has work in this step already: take it back
                         k = batch.requests.index(victim)
                         del batch.requests[k]
-                        budget += batch.num_new_tokens.pop(k)
+                        taken = batch.num_new_tokens.pop(k)
+                        budget += taken
+                        allowance += taken if victim in longs else 0
                         batch.drafts.pop(victim, None)
                 self._preempt(victim)
                 batch.num_preempted += 1
@@ -115,11 +124,15 @@ class Scheduler:
                 batch.requests.append(req)
                 batch.num_new_tokens.append(num_new)
                 budget -= num_new
+                if left > self.chunk:
+                    longs.add(req)
+                    allowance -= num_new
                 i += 1
         # After a preemption there is no room to spare: admitting would only thrash. A request whose grammar
         # is still compiling, or whose adapter would be one more than the slots, keeps its place in the queue
         # while those behind it go ahead (vLLM's rule for adapters).
         skipped: list[Request] = []
+        held = 0
         loras = {r.lora.lora_int_id for r in self.running if r.lora is not None} if self.max_loras else set()
         while (
             self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not batch.num_preempted
@@ -134,9 +147,18 @@ class Scheduler:
             ):
                 skipped.append(self.waiting.popleft())
                 continue
+            if not allowance and req.num_tokens - req.num_computed_tokens > self.chunk:
+                # A long prompt, and the step's share for long prefills is spent: shorter prompts behind it
+                # may still start (at most a step's room of long ones passed over).
+                if held >= self.max_num_seqs - len(self.running):
+                    break
+                held += 1
+                skipped.append(self.waiting.popleft())
+                continue
             if req.num_computed_tokens == 0 and (req.pooling is None or req.pooling.reads_cache):
                 req.num_computed_tokens = self.block_manager.match_prefix(req)
-            num_new = min(req.num_tokens - req.num_computed_tokens, self.chunk)
+            left = req.num_tokens - req.num_computed_tokens
+            num_new = left if left <= self.chunk else min(left, allowance)
             # Unchunked, as vLLM: the prompt whole (or its threshold's part) or, this step, nothing more.
             if (num_new > budget and not self.chunked) or not self.block_manager.allocate(
                 req, req.num_computed_tokens + min(num_new, budget)
@@ -156,9 +178,26 @@ class Scheduler:
             batch.requests.append(req)
             batch.num_new_tokens.append(num_new)
             budget -= num_new
+            if left > self.chunk:
+                allowance -= num_new
         self.waiting.extendleft(reversed(skipped))  # they ranked first
-        self.num_deferred = len(skipped)
+        self.num_deferred = len(skipped) - held
         return batch
+
+    def _long_allowance(self) -> int:
+        """The tokens this step's long prefills (more than `chunk` left) share: `chunk` for each that could
+        run, as vLLM's long_prefill_token_threshold gives them, but handed out oldest first. Steps are as
+        full as before, and prompts that arrive together get their first tokens in turn, not all at the end
+        (a burst of 32 long prompts: the median TTFT of its first half, not the whole burst)."""
+        chunk, budget = self.chunk, self.max_num_batched_tokens
+        if chunk >= budget:
+            return budget
+        n = sum(r.num_tokens + r.num_pending - r.num_computed_tokens > chunk for r in self.running)
+        for req in itertools.islice(self.waiting, max(self.max_num_seqs - len(self.running), 0)):
+            if n * chunk >= budget:
+                break
+            n += req.num_tokens - req.num_computed_tokens > chunk
+        return min(n * chunk, budget)
 
     def _drafts(self, req: Request, room: int, after: int) -> list[int]:
         """At most `room` drafts for a decoding request, where the free blocks hold them and still a block

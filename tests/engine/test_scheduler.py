@@ -160,6 +160,34 @@ def test_many_short_prompts_fill_the_step_beside_a_chunked_long_one() -> None:
     assert scheduled(step(sched)) == [("long", 4), ("s0", 1), ("s1", 1), ("s2", 1), ("s3", 1), ("s4", 3)]
 
 
+def test_long_prompts_that_arrive_together_take_their_share_oldest_first() -> None:
+    """Four long prompts share four chunks of a step, as vLLM's threshold gives them, but the oldest takes
+    them first: its first token comes after one step, not all four after three."""
+    sched = make_scheduler(max_num_batched_tokens=16, chunk=4)
+    reqs = [make_request(rid, 12, max_tokens=2) for rid in "abcd"]
+    for r in reqs:
+        sched.add(r)
+    assert scheduled(step(sched)) == [("a", 12), ("b", 4)]
+    assert [r.num_output_tokens for r in reqs] == [1, 0, 0, 0]
+    assert sched.num_deferred == 0  # c and d wait their turn: not deferred
+    # b is the one long prefill left running, c and d wait: three chunks, b's need first.
+    assert scheduled(step(sched)) == [("a", 1), ("b", 8), ("c", 4)]
+    assert scheduled(step(sched)) == [("b", 1), ("c", 8)]  # two long prompts: two chunks
+    # The last one alone gets a chunk a step, as before, so that a short prompt would start beside it.
+    assert scheduled(step(sched)) == [("c", 1), ("d", 4)]
+    assert scheduled(step(sched)) == [("d", 4)]
+
+
+def test_a_short_prompt_starts_beside_a_long_one_waiting_its_turn() -> None:
+    sched = make_scheduler(max_num_batched_tokens=16, chunk=4)
+    for r in [make_request("l1", 12, max_tokens=2), make_request("l2", 12, max_tokens=2)]:
+        sched.add(r)
+    sched.add(make_request("s", 3, max_tokens=2))
+    # l1 takes both long prompts' chunks; l2 waits; the short prompt behind it starts.
+    assert scheduled(step(sched)) == [("l1", 8), ("s", 3)]
+    assert [r.request_id for r in sched.waiting] == ["l2"]
+
+
 def test_default_chunk_is_128_on_the_cpu_and_the_budget_on_a_gpu() -> None:
     cpu, h100 = SchedulerConfig().on("cpu"), SchedulerConfig().on("cuda", 80 * 2**30, "NVIDIA H100")
     assert cpu.prefill_chunk("cpu") == 128
