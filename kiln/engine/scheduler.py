@@ -81,9 +81,9 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> ScheduledBatch:
-        budget = self.max_num_batched_tokens
-        allowance = self._long_allowance()
-        longs: set[Request] = set()  # those that took of the allowance
+        budget, chunk = self.max_num_batched_tokens, self.chunk
+        allowance = -1  # the long prefills' share: found where the first one needs it (a decode never does)
+        longs: set[Request] = set()  # those that took of it
         batch = ScheduledBatch([], [])
         max_drafts = 0 if self.drafter is None else self.drafter.k_for(len(self.running))
         i = 0
@@ -93,10 +93,16 @@ class Scheduler:
                 i += 1
                 continue
             left = req.num_tokens + req.num_pending - req.num_computed_tokens
-            num_new = min(left, budget, allowance if left > self.chunk else left)
-            if num_new == 0:  # a long prefill whose older peers took this step's share
-                i += 1
-                continue
+            long = left > chunk
+            if long:
+                if allowance < 0:
+                    allowance = self._long_allowance()
+                num_new = min(left, budget, allowance)
+                if not num_new:  # older long prefills took this step's share
+                    i += 1
+                    continue
+            else:
+                num_new = min(left, budget)
             drafts = None
             if max_drafts:
                 drafts = self._drafts(req, min(max_drafts, budget - 1), len(self.running) - i - 1)
@@ -124,7 +130,7 @@ class Scheduler:
                 batch.requests.append(req)
                 batch.num_new_tokens.append(num_new)
                 budget -= num_new
-                if left > self.chunk:
+                if long:
                     longs.add(req)
                     allowance -= num_new
                 i += 1
@@ -147,18 +153,19 @@ class Scheduler:
             ):
                 skipped.append(self.waiting.popleft())
                 continue
-            if not allowance and req.num_tokens - req.num_computed_tokens > self.chunk:
-                # A long prompt, and the step's share for long prefills is spent: shorter prompts behind it
-                # may still start (at most a step's room of long ones passed over).
-                if held >= self.max_num_seqs - len(self.running):
-                    break
-                held += 1
-                skipped.append(self.waiting.popleft())
-                continue
+            if req.num_tokens - req.num_computed_tokens > chunk:  # a long prompt
+                if allowance < 0:
+                    allowance = self._long_allowance()
+                if not allowance:  # the step's share is spent: shorter prompts behind it may still start
+                    if held >= self.max_num_seqs - len(self.running):  # (a step's room passed over at most)
+                        break
+                    held += 1
+                    skipped.append(self.waiting.popleft())
+                    continue
             if req.num_computed_tokens == 0 and (req.pooling is None or req.pooling.reads_cache):
                 req.num_computed_tokens = self.block_manager.match_prefix(req)
             left = req.num_tokens - req.num_computed_tokens
-            num_new = left if left <= self.chunk else min(left, allowance)
+            num_new = left if left <= chunk else min(left, allowance)
             # Unchunked, as vLLM: the prompt whole (or its threshold's part) or, this step, nothing more.
             if (num_new > budget and not self.chunked) or not self.block_manager.allocate(
                 req, req.num_computed_tokens + min(num_new, budget)
@@ -178,7 +185,7 @@ class Scheduler:
             batch.requests.append(req)
             batch.num_new_tokens.append(num_new)
             budget -= num_new
-            if left > self.chunk:
+            if left > chunk:
                 allowance -= num_new
         self.waiting.extendleft(reversed(skipped))  # they ranked first
         self.num_deferred = len(skipped) - held
