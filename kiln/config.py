@@ -121,10 +121,11 @@ class SchedulerConfig(Section):
     max_num_seqs: Annotated[int, Meta(ge=1)] | None = None
     max_num_batched_tokens: Annotated[int, Meta(ge=1)] | None = None
     # vLLM's chunked-prefill fairness knob: a step gives each prompt with more than this many tokens left
-    # this many (kiln hands the long prompts' share out oldest first), so a short prompt that arrives while a
-    # long one is chunked starts in the next step, beside the long one's chunk. null: on the CPU, where a long prompt's late chunks cost most (BENCHMARKS.md, fairness), 128,
-    # or 1024 where kiln's kernels multiply on AMX tiles (a chunk costs a fraction as much there); no limit
-    # on a GPU, as vLLM's default; 0: no limit.
+    # this many (kiln hands the long prompts' share out oldest first), so a short prompt that arrives while
+    # a long one is chunked starts in the next step, beside the long one's chunk. null: on the CPU, where a
+    # long prompt's late chunks cost most (BENCHMARKS.md, fairness), 128, or 1024 where kiln's kernels
+    # multiply on AMX tiles (a chunk costs a fraction as much there); no limit on a GPU, as vLLM's
+    # default; 0: no limit.
     long_prefill_token_threshold: Annotated[int, Meta(ge=0)] | None = None
     # vLLM's async scheduling: the next step is scheduled and launched while the device still runs this one,
     # its decode inputs taken from the sampled tokens on the device; a stop is then seen one step late, and

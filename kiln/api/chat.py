@@ -38,6 +38,7 @@ from kiln.api.serving import (
 from kiln.api.streaming import events, every, sse, stream_interval, usage, usage_asked
 from kiln.api.tool_calls import ToolCallStream, call_id, forced_call_schema, mistral_call_id
 from kiln.engine.async_engine import AsyncEngine
+from kiln.engine.prompt_embeds import SplicedEmbeds
 from kiln.engine.request_stream import RequestStream
 from kiln.sampling_params import truncate_prompt
 from kiln.server_config import ServerConfig
@@ -78,7 +79,7 @@ async def chat(
     if auto == "mistral":  # its calls follow a special token, which the text must keep (as vLLM does)
         body = msgspec.structs.replace(body, skip_special_tokens=False)
     so = await constraint(engine, inputs, body, call_schema)
-    ids = await inputs.chat_ids(body, shown_tools(body, server))
+    prompt = await inputs.chat_prompt(body, shown_tools(body, server))
     # As vLLM: the reply's role is the server's (--response-role) where a generation prompt opens a new
     # message, else the last message's; echo starts the reply with that message where it has the role.
     last = body.messages[-1]
@@ -87,10 +88,15 @@ async def chat(
     k = (body.top_logprobs or 0) if body.logprobs else None
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     side = body.truncation_side or "left"
-    ids = truncate_prompt(ids, body.truncate_prompt_tokens, max_tokens, engine.max_model_len, side)
+    keep = body.truncate_prompt_tokens
+    if isinstance(prompt, SplicedEmbeds):
+        _check_spliced(body, body.echo and last.role == role)
+        prompt = prompt.truncated(keep, max_tokens, engine.max_model_len, side)
+    else:
+        prompt = truncate_prompt(prompt, keep, max_tokens, engine.max_model_len, side)
     params = sampling_params(
         body,
-        len(ids),
+        len(prompt),
         engine.max_model_len,
         max_tokens,
         k,
@@ -98,17 +104,17 @@ async def chat(
         so,
         engine.sampling_defaults,
     )
-    prompt_text = await inputs.detokenize(ids) if body.return_prompt_text else UNSET
+    prompt_text = await inputs.detokenize(prompt) if body.return_prompt_text else UNSET
     rid = response_id("chatcmpl-", request, body.request_id)
     # A forced call's JSON follows the thinking, unless constraints hold the whole reply.
     think = None if calls and engine.admission.constrain_thinking else engine.reasoning_parser
     reading = functools.partial(Reading.start, think, auto, body.tools or [], body.include_reasoning)
-    await log_requests(inputs, rid, [ids], [params])
+    await log_requests(inputs, rid, [prompt], [params])
     streams: list[RequestStream] = []  # (beam search's requests are its own: no metrics)
     if body.use_beam_search:
-        outputs = await beam_search_all(engine, request, body, rid, [ids], [params])
+        outputs = await beam_search_all(engine, request, body, rid, [prompt], [params])
     else:
-        streams = start_all(engine, request, body, rid, [ids], [params])
+        streams = start_all(engine, request, body, rid, [prompt], [params])
         if body.stream:
             last = usage_chunk(ChatCompletionChunk, streams, server, id=rid, model=model)
             chunks = Chunks(rid, model, k, calls, call_stream, body, role, echo, reading, prompt_text)
@@ -156,6 +162,18 @@ def shown_tools(body: ChatCompletionRequest, server: ServerConfig) -> list[Tool]
     """As vLLM, the template shows the tools even under tool_choice "none", unless the server says not to."""
     hidden = body.tool_choice == "none" and server.exclude_tools_when_tool_choice_none
     return None if hidden else body.tools
+
+
+def _check_spliced(body: ChatCompletionRequest, echoed: bool) -> None:
+    """What a prompt with rows given as embeddings cannot do (vLLM's words where it has them); echoed: the
+    last message starts the reply."""
+    last = body.messages[-1].content
+    if echoed and isinstance(last, list) and any(part.type == "prompt_embeds" for part in last):
+        raise APIError(400, "Echo is unsupported with prompt embeds.", "echo")
+    if body.return_prompt_text:
+        raise APIError(400, "return_prompt_text is not available with prompt embeds", "return_prompt_text")
+    if body.use_beam_search:
+        raise APIError(400, "use_beam_search is not supported with prompt embeds", "use_beam_search")
 
 
 def _text(content: str | list[TextPart] | None) -> str:

@@ -15,12 +15,12 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import msgspec
 
-from kiln.api.chat_render import content_chars, render_messages
+from kiln.api.chat_render import content_chars, render_prompt
 from kiln.api.defaults import with_defaults
 from kiln.api.errors import APIError
 from kiln.api.protocol import ChatRender, CompletionRequest, Tool, _SamplingRequest
 from kiln.engine.bad_words import MAX_BAD_WORDS
-from kiln.engine.prompt_embeds import PromptEmbeds
+from kiln.engine.prompt_embeds import PromptEmbeds, SplicedEmbeds
 from kiln.engine.tokenizer import NO_TOKENIZER
 from kiln.sampling_params import truncate_prompt
 from kiln.server_config import ServerConfig
@@ -218,9 +218,21 @@ class Inputs:
 
     async def chat_ids(self, body: ChatRender, tools: list[Tool] | None = None) -> list[int]:
         """The request's messages through the chat template, as its fields ask (tools: those it shows)."""
-        return await self.run(self._chat_ids, body, tools)
+        prompt = await self.chat_prompt(body, tools)
+        if isinstance(prompt, SplicedEmbeds):
+            raise APIError(
+                400, "prompt_embeds content parts are taken by /v1/chat/completions alone", "messages"
+            )
+        return prompt
 
-    def _chat_ids(self, body: ChatRender, tools: list[Tool] | None) -> list[int]:
+    async def chat_prompt(
+        self, body: ChatRender, tools: list[Tool] | None = None
+    ) -> list[int] | SplicedEmbeds:
+        """chat_ids, or where the server takes prompt embeddings and content parts give them, the prompt
+        with their rows spliced in."""
+        return await self.run(self._chat_prompt, body, tools)
+
+    def _chat_prompt(self, body: ChatRender, tools: list[Tool] | None) -> list[int] | SplicedEmbeds:
         tokenizer = self.tokenizer
         messages = body.messages or []
         chars = sum(content_chars(m) for m in messages)
@@ -240,7 +252,7 @@ class Inputs:
                 "continue_final_message",
             )
         fmt = self.limits.chat_template_content_format
-        return render_messages(tokenizer, messages, body, tools, fmt)
+        return render_prompt(tokenizer, messages, body, tools, fmt, self.embeds_width)
 
     async def tokenize(self, text: str, add_special_tokens: bool) -> list[int]:
         encode = functools.partial(self.tokenizer.encode, add_special_tokens=add_special_tokens)

@@ -98,8 +98,9 @@ class CompletionRequest(_SamplingRequest, kw_only=True):
 
 
 class TextPart(_Strict):
-    type: str
+    type: str  # "text", or vLLM's "prompt_embeds" (--enable-prompt-embeds)
     text: str | None = None
+    data: bytes | None = None  # a prompt_embeds part's: base64 of a torch.save'd (tokens, hidden_size) tensor
 
 
 class FunctionCall(msgspec.Struct, forbid_unknown_fields=True):

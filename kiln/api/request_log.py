@@ -9,7 +9,7 @@ import logging
 from collections.abc import AsyncIterator, Sequence
 
 from kiln.api.inputs import Inputs
-from kiln.engine.prompt_embeds import PromptEmbeds
+from kiln.engine.prompt_embeds import GivenPrompt, PromptEmbeds, SplicedEmbeds
 from kiln.engine.request_output import RequestOutput, merge
 from kiln.pooling_params import PoolingParams
 from kiln.sampling_params import SamplingParams
@@ -25,7 +25,7 @@ def _name(response_id: str, i: int, count: int) -> str:
 async def log_requests(
     inputs: Inputs,
     response_id: str,
-    prompts: Sequence[list[int] | PromptEmbeds],
+    prompts: Sequence[list[int] | GivenPrompt],
     params: Sequence[SamplingParams | PoolingParams],
 ) -> None:
     """Each prompt, as text (decoded on the inputs' worker where the body is large) and ids, or the shape
@@ -41,11 +41,15 @@ async def log_requests(
                 _name(response_id, i, len(prompts)), shape, p,
             )  # fmt: skip
             continue
+        given = ""
+        if isinstance(prompt, SplicedEmbeds):  # its ids, and where its rows are given
+            given = ", prompt_embeds at: " + str([(start, tuple(part.shape)) for start, part in prompt.parts])
+            prompt = prompt.ids
         ids = prompt[:n]
         text = (await inputs.run(inputs.tokenizer.decode, ids))[:n] if inputs.has_tokenizer else None
         log.info(
-            "Received request %s: prompt: %r, params: %s, prompt_token_ids: %s",
-            _name(response_id, i, len(prompts)), text, p, ids,
+            "Received request %s: prompt: %r, params: %s, prompt_token_ids: %s%s",
+            _name(response_id, i, len(prompts)), text, p, ids, given,
         )  # fmt: skip
 
 

@@ -18,7 +18,7 @@ from kiln.api.inputs import Inputs
 from kiln.api.protocol import _PooledInputRequest, _SamplingRequest, _ScoringRequest
 from kiln.api.responses import RequestMetrics
 from kiln.engine.async_engine import AsyncEngine
-from kiln.engine.prompt_embeds import PromptEmbeds
+from kiln.engine.prompt_embeds import GivenPrompt
 from kiln.engine.request import PositionLogprobs
 from kiln.engine.request_output import RequestOutput, merge
 from kiln.engine.request_stream import RequestStream
@@ -163,7 +163,7 @@ def start_all(
     request: Request,
     body: _SamplingRequest | _PooledInputRequest | _ScoringRequest,
     response_id: str,
-    prompts: Sequence[list[int] | PromptEmbeds],
+    prompts: Sequence[list[int] | GivenPrompt],
     params: Sequence[SamplingParams | PoolingParams],
 ) -> list[RequestStream]:
     """One engine request per prompt, with the body's priority and cache_salt; if any is refused, none

@@ -4,6 +4,7 @@ ValueError, beginning with the field's name; LLMEngine.add_request queues what p
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -15,7 +16,7 @@ from kiln.engine.constraint import Constraint
 from kiln.engine.detokenizer import SequenceText, detokenizer
 from kiln.engine.grammar import Grammars
 from kiln.engine.pooler import Pooler
-from kiln.engine.prompt_embeds import PromptEmbeds
+from kiln.engine.prompt_embeds import GivenPrompt, SplicedEmbeds
 from kiln.engine.request import Request
 from kiln.engine.thinking import Thinking, ThinkTags
 from kiln.pooling_params import PoolingParams
@@ -42,6 +43,8 @@ class Admission:
     prompt_embeds: bool = False
     hidden_size: int = 0
     dtype: torch.dtype = torch.float32
+    # the model's token embedding, for the token rows of a prompt spliced with embeddings (SplicedEmbeds)
+    embed: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def tokenize(
         self, prompt: str | list[int], params: SamplingParams | PoolingParams | None = None
@@ -56,9 +59,10 @@ class Admission:
         self.check_prompt(ids, isinstance(params, PoolingParams))
         return ids
 
-    def check_embeds(self, embeds: PromptEmbeds, params: SamplingParams | PoolingParams) -> PromptEmbeds:
+    def check_embeds(self, embeds: GivenPrompt, params: SamplingParams | PoolingParams) -> GivenPrompt:
         """A prompt given as embeddings, checked by its metadata alone (so on the event loop), with the rows
-        truncate_prompt_tokens keeps. In the engine its ids are placeholders (0), which the rows replace."""
+        truncate_prompt_tokens keeps. In the engine a given row's id is a placeholder (0), which the row
+        replaces."""
         if not self.prompt_embeds:
             raise ValueError("You must set `--enable-prompt-embeds` to input `prompt_embeds`.")
         if isinstance(params, PoolingParams):
@@ -68,15 +72,19 @@ class Admission:
         embeds.check(self.hidden_size)
         keep, side = params.truncate_prompt_tokens, params.truncation_side
         embeds = embeds.truncated(keep, params.max_tokens, self.max_model_len, side)
-        self.check_prompt([0] * len(embeds))
+        self.check_prompt(embeds.ids)
         return embeds
 
     def embeds_prompt(
-        self, embeds: PromptEmbeds, params: SamplingParams | PoolingParams
+        self, embeds: GivenPrompt, params: SamplingParams | PoolingParams
     ) -> tuple[list[int], torch.Tensor]:
-        """The placeholder ids and the kept rows of an embeddings prompt, in the model's dtype."""
+        """The ids (placeholders where rows are given) and every kept row of a prompt given as embeddings,
+        in the model's dtype."""
         embeds = self.check_embeds(embeds, params)
-        return [0] * len(embeds), embeds.rows(self.dtype)
+        if isinstance(embeds, SplicedEmbeds):
+            assert self.embed is not None, "an engine that takes prompt_embeds gives its embedding"
+            return embeds.ids, embeds.rows(self.dtype, self.embed, self.device)
+        return embeds.ids, embeds.rows(self.dtype)
 
     def check_prompt(self, ids: list[int], pooled: bool = False) -> None:
         """pooled: for an embedding, which may fill max_model_len."""

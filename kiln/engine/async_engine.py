@@ -21,7 +21,7 @@ from kiln.engine.engine import LLMEngine
 from kiln.engine.metrics import Metrics
 from kiln.engine.pause import Pause, PauseMode, Pausing, Resuming
 from kiln.engine.pooler import Pooler
-from kiln.engine.prompt_embeds import PromptEmbeds
+from kiln.engine.prompt_embeds import GivenPrompt, PromptEmbeds, SplicedEmbeds
 from kiln.engine.queue_limits import Overloaded, QueueLimits
 from kiln.engine.request_output import RequestOutput
 from kiln.engine.request_stream import RequestStream
@@ -99,7 +99,7 @@ class AsyncEngine:
 
     def generate(
         self,
-        prompt: list[int] | PromptEmbeds,
+        prompt: list[int] | GivenPrompt,
         params: SamplingParams | PoolingParams,
         request_id: str,
         priority: int = 0,
@@ -116,9 +116,9 @@ class AsyncEngine:
         admission = self.admission
         admission.check_options(priority, cache_salt)
         bad_words = admission.check_params(params)
-        if isinstance(prompt, PromptEmbeds):
+        if isinstance(prompt, PromptEmbeds | SplicedEmbeds):
             prompt = admission.check_embeds(prompt, params)
-            prompt_ids = [0] * len(prompt)  # its rows' placeholders
+            prompt_ids = prompt.ids  # (placeholders where rows are given)
         else:
             prompt_ids = prompt
         admission.check_prompt(prompt_ids, isinstance(params, PoolingParams))

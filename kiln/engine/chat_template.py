@@ -17,22 +17,46 @@ def render_chat(
     documents: list[dict[str, str]] | None = None,
     chat_template: str | None = None,
 ) -> list[int]:
+    """The rendered text's ids (render_chat_text); add_special_tokens: the tokenizer's special tokens (a
+    BOS) on top of the template's."""
+    text = render_chat_text(
+        tokenizer,
+        messages,
+        add_generation_prompt,
+        chat_template_kwargs,
+        tools,
+        continue_final_message=continue_final_message,
+        documents=documents,
+        chat_template=chat_template,
+    )
+    return tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+
+def render_chat_text(
+    tokenizer: Any,
+    messages: list[dict[str, Any]],
+    add_generation_prompt: bool = True,
+    chat_template_kwargs: dict[str, Any] | None = None,
+    tools: list[dict[str, Any]] | None = None,
+    *,
+    continue_final_message: bool = False,
+    documents: list[dict[str, str]] | None = None,
+    chat_template: str | None = None,
+) -> str:
     """Raises ValueError for empty messages, a model without a template, or messages it refuses. tools:
     OpenAI's tool definitions, for a template that shows them to the model; continue_final_message: the last
-    message left open, for the model to go on with it; add_special_tokens: the tokenizer's special tokens
-    (a BOS) on top of the template's; documents: for a template that shows them (RAG); chat_template: a
-    Jinja template in place of the tokenizer's."""
+    message left open, for the model to go on with it; documents: for a template that shows them (RAG);
+    chat_template: a Jinja template in place of the tokenizer's."""
     if not messages:
         raise ValueError("messages must not be empty")
     if chat_template is None and tokenizer.chat_template is None:
         raise ValueError("this model has no chat template; use /v1/completions")
     try:
-        rendered = tokenizer.apply_chat_template(
+        return tokenizer.apply_chat_template(
             messages,
             add_generation_prompt=add_generation_prompt,
             continue_final_message=continue_final_message,
-            tokenize=not add_special_tokens,
-            return_dict=False,
+            tokenize=False,
             tools=tools,
             documents=documents,
             chat_template=chat_template,
@@ -40,4 +64,3 @@ def render_chat(
         )
     except Exception as e:  # jinja raises for conversations the template refuses
         raise ValueError(f"the chat template rejected these messages: {e}") from None
-    return tokenizer.encode(rendered) if add_special_tokens else rendered

@@ -7,7 +7,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from kiln.engine.bad_words import BadWords
-from kiln.engine.prompt_embeds import PromptEmbeds
+from kiln.engine.prompt_embeds import GivenPrompt
 from kiln.lora_request import LoRARequest
 from kiln.models.lora_adapter import Adapter
 from kiln.pooling_params import PoolingParams
@@ -17,7 +17,7 @@ from kiln.sampling_params import SamplingParams
 @dataclass(slots=True)
 class Add:
     request_id: str
-    prompt: list[int] | PromptEmbeds
+    prompt: list[int] | GivenPrompt
     params: SamplingParams | PoolingParams
     priority: int
     cache_salt: str | None

@@ -24,7 +24,7 @@ from kiln.engine.lora_slots import LoraSlots
 from kiln.engine.memory import kv_cache_blocks
 from kiln.engine.output import OutputProcessor, Parent
 from kiln.engine.pooler import resolve_pooler
-from kiln.engine.prompt_embeds import PromptEmbeds
+from kiln.engine.prompt_embeds import GivenPrompt, PromptEmbeds, SplicedEmbeds
 from kiln.engine.request_output import RequestOutput
 from kiln.engine.runner import ModelRunner
 from kiln.engine.scheduler import ScheduledBatch, Scheduler
@@ -104,6 +104,7 @@ class LLMEngine:
             config.model.enable_prompt_embeds,
             dims.hidden_size,
             self.runner.dtype,
+            self.model.embed,
         )
         self.timings["runner"] = time.perf_counter() - clock
         num_blocks = kv_cache_blocks(config, self.runner, self.max_model_len, self.timings)
@@ -158,7 +159,7 @@ class LLMEngine:
     def add_request(
         self,
         request_id: str,
-        prompt: str | list[int] | PromptEmbeds,
+        prompt: str | list[int] | GivenPrompt,
         params: SamplingParams | PoolingParams,
         priority: int = 0,
         cache_salt: str | None = None,
@@ -180,7 +181,7 @@ class LLMEngine:
             bad_words = admission.check_params(params)
         if lora is not None:
             self.loras.load(lora)
-        if isinstance(prompt, PromptEmbeds):
+        if isinstance(prompt, PromptEmbeds | SplicedEmbeds):
             ids, embeds = admission.embeds_prompt(prompt, params)
             assert isinstance(params, SamplingParams)  # (embeds_prompt refuses pooling)
             children = admission.requests(request_id, ids, params, bad_words, priority, cache_salt, embeds)

@@ -6,6 +6,7 @@ which does all of kiln's torch compute."""
 from __future__ import annotations
 
 import io
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -54,6 +55,11 @@ class PromptEmbeds:
     def __len__(self) -> int:
         return len(self.rows_kept)
 
+    @property
+    def ids(self) -> list[int]:
+        """The request's token ids: a placeholder (0) for each kept row."""
+        return [0] * len(self)
+
     def check(self, hidden_size: int) -> None:
         """What can be told without reading the values (so on the event loop)."""
         width = self.shape[1]
@@ -79,3 +85,56 @@ class PromptEmbeds:
         tensor = self.tensor.to_dense() if self.tensor.layout != torch.strided else self.tensor
         kept = self.rows_kept
         return tensor.reshape(self.shape)[kept.start : kept.stop].to(dtype).contiguous()
+
+
+# vLLM's: a chat content part {"type": "prompt_embeds", "data": ...} stands in the rendered template as this
+# text, where the prompt is split; the tokenizer never sees it.
+PLACEHOLDER = "<prompt_embeds>"
+
+
+@dataclass(frozen=True, slots=True)
+class SplicedEmbeds:
+    """A chat prompt with prompt_embeds content parts (vLLM's): the template's token ids, and each part's
+    rows where its placeholder stood. The engine thread looks the ids' rows up in the model's own
+    embedding, so the whole prompt runs as given rows."""
+
+    token_ids: list[int]  # placeholders (0) at the parts' rows
+    parts: tuple[tuple[int, PromptEmbeds], ...]  # (its first row, the part)
+    kept: range | None = None  # the rows a truncation keeps (None: all)
+
+    @property
+    def rows_kept(self) -> range:
+        return range(len(self.token_ids)) if self.kept is None else self.kept
+
+    def __len__(self) -> int:
+        return len(self.rows_kept)
+
+    @property
+    def ids(self) -> list[int]:
+        kept = self.rows_kept
+        return self.token_ids[kept.start : kept.stop]
+
+    def check(self, hidden_size: int) -> None:
+        for _, part in self.parts:
+            part.check(hidden_size)
+
+    def truncated(
+        self, keep: int | None, max_tokens: int | None, max_model_len: int, side: Literal["left", "right"]
+    ) -> SplicedEmbeds:
+        kept = truncate_prompt(list(self.rows_kept), keep, max_tokens, max_model_len, side)
+        return self if not kept else SplicedEmbeds(self.token_ids, self.parts, range(kept[0], kept[-1] + 1))
+
+    def rows(
+        self, dtype: torch.dtype, embed: Callable[[torch.Tensor], torch.Tensor], device: torch.device
+    ) -> torch.Tensor:
+        """The kept rows in the model's dtype, on the host: the model's embedding of each id, with the parts'
+        rows over their placeholders (the engine thread's work)."""
+        with torch.no_grad():
+            rows = embed(torch.tensor(self.token_ids, device=device)).to("cpu", dtype)
+        for start, part in self.parts:
+            rows[start : start + len(part)] = part.rows(dtype)
+        kept = self.rows_kept
+        return rows[kept.start : kept.stop].contiguous()
+
+
+GivenPrompt = PromptEmbeds | SplicedEmbeds  # a prompt whose rows (some or all) are given as embeddings
