@@ -225,7 +225,7 @@ class LLM:
         if tokenizer is None:
             raise ValueError(NO_TOKENIZER)
         fmt = resolve_content_format(chat_template_content_format, tokenizer.chat_template)
-        return render_chat(
+        text = render_chat(
             tokenizer,
             [{**m, "content": template_content(text_parts(m.get("content")), fmt)} for m in messages],
             add_generation_prompt,
@@ -233,6 +233,7 @@ class LLM:
             tools,
             continue_final_message=continue_final_message,
         )
+        return tokenizer.encode(text, add_special_tokens=False)
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         done: dict[str, RequestOutput] = {}

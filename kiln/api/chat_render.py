@@ -9,7 +9,7 @@ import msgspec
 
 from kiln.api.errors import APIError
 from kiln.api.protocol import ChatMessage, ChatRender, TextPart, Tool
-from kiln.engine.chat_template import render_chat, render_chat_text
+from kiln.engine.chat_template import render_chat
 from kiln.engine.content_format import resolve_content_format, template_content
 from kiln.engine.prompt_embeds import PLACEHOLDER, PromptEmbeds, SplicedEmbeds
 
@@ -21,19 +21,6 @@ _RESERVED = (
     "Text content may not contain the reserved placeholder {token!r}. This placeholder is used internally to "
     "mark `prompt_embeds` splice positions in the tokenized prompt."
 )
-
-
-def render_messages(
-    tokenizer: Any,
-    messages: list[ChatMessage],
-    body: ChatRender,
-    tools: list[Tool] | None = None,
-    content_format: Literal["auto", "string", "openai"] = "auto",
-) -> list[int]:
-    """render_prompt's ids, where no part may be given as embeddings."""
-    ids = render_prompt(tokenizer, messages, body, tools, content_format)
-    assert isinstance(ids, list), "without embeds_width a prompt_embeds part is refused"
-    return ids
 
 
 def render_prompt(
@@ -92,11 +79,11 @@ def render_prompt(
     }
     special = bool(body.add_special_tokens)  # (unset, as /tokenize's messages may leave it: False, as vLLM)
     try:
-        if not given:
-            return render_chat(*args, add_special_tokens=special, **options)
-        text = render_chat_text(*args, **options)
+        text = render_chat(*args, **options)
     except ValueError as e:
         raise APIError(400, str(e), "messages") from None
+    if not given:
+        return tokenizer.encode(text, add_special_tokens=special)
     if sum(t.count(PLACEHOLDER) for t in texts_all) > len(given):  # a text could move the rows
         raise APIError(400, _RESERVED.format(token=PLACEHOLDER), "messages")
     return _splice(tokenizer, text, given, special)

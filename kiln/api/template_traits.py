@@ -8,10 +8,11 @@ import logging
 from dataclasses import dataclass
 from typing import Any, get_args
 
-from kiln.api.chat_render import render_messages
+from kiln.api.chat_render import render_prompt
 from kiln.api.errors import APIError
 from kiln.api.messages_protocol import Effort
 from kiln.api.protocol import ChatCompletionRequest, ChatMessage
+from kiln.engine.prompt_embeds import SplicedEmbeds
 from kiln.server_config import ServerConfig
 
 log = logging.getLogger(__name__)
@@ -60,12 +61,12 @@ def _refuses_inline_system(tokenizer: Any, server: ServerConfig, tools: list | N
 
 def _render(
     tokenizer: Any, server: ServerConfig, messages: list[ChatMessage], tools: list | None, **fields: Any
-) -> list[int] | None:
+) -> list[int] | SplicedEmbeds | None:
     """The probe's prompt, as a chat request with these fields renders it; None where the template refuses."""
     body = ChatCompletionRequest(
         messages=messages, chat_template_kwargs=server.default_chat_template_kwargs, **fields
     )
     try:
-        return render_messages(tokenizer, messages, body, tools, server.chat_template_content_format)
+        return render_prompt(tokenizer, messages, body, tools, server.chat_template_content_format)
     except APIError:
         return None

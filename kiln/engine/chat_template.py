@@ -1,4 +1,5 @@
-"""Messages to prompt token ids through the model's chat template: one path for LLM.chat and the API."""
+"""Messages to prompt text through the model's chat template: one path for LLM.chat and the API (their
+callers tokenize it, and splice prompt embeddings into it)."""
 
 from __future__ import annotations
 
@@ -6,33 +7,6 @@ from typing import Any
 
 
 def render_chat(
-    tokenizer: Any,
-    messages: list[dict[str, Any]],
-    add_generation_prompt: bool = True,
-    chat_template_kwargs: dict[str, Any] | None = None,
-    tools: list[dict[str, Any]] | None = None,
-    *,
-    continue_final_message: bool = False,
-    add_special_tokens: bool = False,
-    documents: list[dict[str, str]] | None = None,
-    chat_template: str | None = None,
-) -> list[int]:
-    """The rendered text's ids (render_chat_text); add_special_tokens: the tokenizer's special tokens (a
-    BOS) on top of the template's."""
-    text = render_chat_text(
-        tokenizer,
-        messages,
-        add_generation_prompt,
-        chat_template_kwargs,
-        tools,
-        continue_final_message=continue_final_message,
-        documents=documents,
-        chat_template=chat_template,
-    )
-    return tokenizer.encode(text, add_special_tokens=add_special_tokens)
-
-
-def render_chat_text(
     tokenizer: Any,
     messages: list[dict[str, Any]],
     add_generation_prompt: bool = True,

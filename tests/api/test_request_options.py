@@ -14,7 +14,7 @@ import openai
 import pytest
 from transformers import AutoTokenizer
 
-from kiln.api.chat_render import render_messages
+from kiln.api.chat_render import render_prompt
 from kiln.api.protocol import ChatCompletionRequest
 from kiln.config import EngineConfig
 from kiln.engine.tokenizer import chat_template, load_tokenizer
@@ -195,7 +195,7 @@ def test_reasoning_effort_reaches_the_template(default_model_dir: Path) -> None:
 
     def rendered(**fields: object) -> str:
         body = msgspec.convert({"messages": HI, **fields}, ChatCompletionRequest)
-        return tok.decode(render_messages(tok, body.messages, body))
+        return tok.decode(render_prompt(tok, body.messages, body))
 
     assert rendered(reasoning_effort="low") == "low True|Hi"
     assert rendered(reasoning_effort="none") == "none False|Hi"
@@ -415,4 +415,4 @@ def test_an_earlier_reply_goes_back_whole(tiny_server: Server, default_model_dir
     for field in ("reasoning", "reasoning_content"):
         messages = [{"role": "user", "content": "Hi", "name": "ann"}, {"role": "assistant", field: "hmm"}]
         parsed = msgspec.convert({"messages": messages}, ChatCompletionRequest)
-        assert tok.decode(render_messages(tok, parsed.messages, parsed)) == "ann::|:hmm:hmm|"
+        assert tok.decode(render_prompt(tok, parsed.messages, parsed)) == "ann::|:hmm:hmm|"

@@ -8,6 +8,7 @@ import torch
 
 from kiln import LLM, SamplingParams
 from kiln.compile.reports import compile_counters
+from kiln.engine.prompt_embeds import PromptEmbeds, SplicedEmbeds
 from kiln.engine.request_output import CompletionOutput
 from tests.models.test_architectures import PROMPTS
 from tests.models.tiny import CONFIGS, build
@@ -111,3 +112,21 @@ def test_prompt_embeds_greedy_tokens_match_cpu(tmp_path: Path) -> None:
     assert last.num_cached_tokens == 32
     assert_greedy_agrees([*got, last.outputs[0].token_ids], want)
     assert compile_counters() == before and gpu.engine.runner.lowering.misses == 0
+
+
+def test_spliced_prompt_embeds_look_up_the_template_rows_on_the_gpu(tmp_path: Path) -> None:
+    """A chat prompt with prompt_embeds parts (SplicedEmbeds, as the API builds it): the ids' rows come from
+    the model's embedding on the GPU, the part's over its placeholders. Rows equal to the ids' own give the
+    ids' tokens."""
+    hf = build("llama", tmp_path, 128)
+    ids = PROMPTS[0]
+    part = PromptEmbeds(hf.get_input_embeddings().weight.detach()[ids[2:5]])
+    spliced = SplicedEmbeds([*ids[:2], 0, 0, 0, *ids[5:]], ((2, part),))
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    gpu = LLM(str(tmp_path), **GPU_OPTIONS, enable_prompt_embeds=True)
+    want = gpu.generate({"prompt_token_ids": ids}, params, use_tqdm=False)[0].outputs[0].token_ids
+    gpu.engine.add_request("spliced", spliced, params)
+    got = gpu.engine.step(final_only=True)
+    while not got:
+        got = gpu.engine.step(final_only=True)
+    assert got[0].outputs[0].token_ids == want
