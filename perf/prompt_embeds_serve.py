@@ -3,10 +3,12 @@
 (so no two requests share a cached prefix), base64 torch.save'd in bfloat16, with no `prompt` (vLLM 0.32
 refuses `"prompt": ""` beside them: "The decoder prompt cannot be empty");
 output-len tokens out, greedy, ignore_eos, streamed; at each concurrency, against one server URL.
-Reports output tok/s, TTFT p50 and TPOT p50, and checks every request gave output-len tokens.
+With --chat the rows are a chat's content part ({"type": "prompt_embeds"}) after a text part, through
+/v1/chat/completions and the model's chat template. Reports output tok/s, TTFT p50 and TPOT p50, and checks
+every request gave output-len tokens.
 
     python perf/prompt_embeds_serve.py --url http://127.0.0.1:8000 --model-dir <the served folder> \
-        --input-len 128 --output-len 128 --concurrency 1 16 --num-prompts 32 [--json OUT]
+        --input-len 128 --output-len 128 --concurrency 1 16 --num-prompts 32 [--chat] [--json OUT]
 """
 
 from __future__ import annotations
@@ -45,20 +47,30 @@ def payloads(weight: torch.Tensor, n: int, length: int, seed: int) -> list[str]:
     return out
 
 
-async def one(client: httpx.AsyncClient, url: str, model: str, embeds: str, output_len: int) -> dict:
+async def one(
+    client: httpx.AsyncClient, url: str, model: str, embeds: str, output_len: int, chat: bool
+) -> dict:
     body = {
-        "model": model, "prompt_embeds": embeds, "max_tokens": output_len, "temperature": 0,
-        "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True},
+        "model": model, "max_tokens": output_len, "temperature": 0, "ignore_eos": True, "stream": True,
+        "stream_options": {"include_usage": True},
     }  # fmt: skip
+    if chat:
+        part = {"type": "prompt_embeds", "data": embeds}
+        body["messages"] = [{"role": "user", "content": [{"type": "text", "text": "Summarize:"}, part]}]
+    else:
+        body["prompt_embeds"] = embeds
     start = time.perf_counter()
     first, tokens = None, 0
-    async with client.stream("POST", f"{url}/v1/completions", json=body) as r:
+    path = "/v1/chat/completions" if chat else "/v1/completions"
+    async with client.stream("POST", f"{url}{path}", json=body) as r:
         r.raise_for_status()
         async for line in r.aiter_lines():
             if not line.startswith("data: {"):
                 continue
             event = json.loads(line[6:])
-            if event["choices"] and event["choices"][0]["text"] and first is None:
+            choice = event["choices"][0] if event["choices"] else {}
+            text = choice.get("delta", {}).get("content") if chat else choice.get("text")
+            if text and first is None:
                 first = time.perf_counter()
             if event.get("usage"):
                 tokens = event["usage"]["completion_tokens"]
@@ -67,13 +79,15 @@ async def one(client: httpx.AsyncClient, url: str, model: str, embeds: str, outp
     return {"ttft": first - start, "tpot": (end - first) / max(tokens - 1, 1), "end": end}
 
 
-async def point(url: str, model: str, embeds: list[str], output_len: int, concurrency: int) -> dict:
+async def point(
+    url: str, model: str, embeds: list[str], output_len: int, concurrency: int, chat: bool
+) -> dict:
     limit = asyncio.Semaphore(concurrency)
     async with httpx.AsyncClient(timeout=600) as client:
 
         async def run(e: str) -> dict:
             async with limit:
-                return await one(client, url, model, e, output_len)
+                return await one(client, url, model, e, output_len, chat)
 
         await run(embeds[0])  # warm
         start = time.perf_counter()
@@ -97,6 +111,7 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 16])
     ap.add_argument("--num-prompts", type=int, default=32)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--chat", action="store_true", help="a chat content part, not completions' field")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     model = httpx.get(f"{args.url}/v1/models").json()["data"][0]["id"]
@@ -105,7 +120,7 @@ def main() -> None:
     for i, c in enumerate(args.concurrency):
         n = max(args.num_prompts, c) + 1
         embeds = payloads(weight, n, args.input_len, args.seed + 1000 * i)
-        results.append(asyncio.run(point(args.url, model, embeds, args.output_len, c)))
+        results.append(asyncio.run(point(args.url, model, embeds, args.output_len, c, args.chat)))
         r = results[-1]
         print(
             f"c{c}: {r['output_tok_s']:.1f} output tok/s, TTFT p50 {r['ttft_p50_ms']:.0f} ms, "
