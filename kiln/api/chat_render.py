@@ -44,7 +44,9 @@ def render_prompt(
         if key in reserved:
             raise APIError(400, f"chat_template_kwargs may not set {key!r}", "chat_template_kwargs")
     fmt = resolve_content_format(content_format, body.chat_template or tokenizer.chat_template)
-    plain, given, texts_all = [], [], []
+    plain: list[dict[str, Any]] = []
+    given: list[PromptEmbeds] = []  # the parts given as embeddings, in order
+    texts_all: list[str] = []
     for i, m in enumerate(messages):
         content = m.content
         if isinstance(content, list):
