@@ -1,9 +1,10 @@
 """Fairness offline: a short prompt that arrives while a long one is being prefilled. The long prompt
-(random token ids, one output token) starts; `--after` seconds later a 4-token prompt is added; prints
-when each got its first token. The threshold is vLLM's knob, passed as an engine option (default: kiln's,
-128 on the CPU, 1024 on AMX tiles; 0: no limit).
+(random token ids, one output token; `--long-prompts N` of them, together) starts; `--after` seconds
+later a 4-token prompt is added; prints when each got its first token. The threshold is vLLM's knob,
+passed as an engine option (default: kiln's, 128 on the CPU, 1024 on AMX tiles; 0: no limit).
 
-    .venv/bin/python perf/fairness.py --tokens 7900 [--after 2] [--long-prefill-token-threshold 0]
+    .venv/bin/python perf/fairness.py --tokens 7900 [--after 2] [--long-prefill-token-threshold 0] \
+        [--long-prompts 4]
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=7900)
     ap.add_argument("--after", type=float, default=2.0)
     ap.add_argument("--long-prefill-token-threshold", type=int, default=None)
+    ap.add_argument("--long-prompts", type=int, default=1)
     args = ap.parse_args()
     logging.basicConfig(level=logging.WARNING)
     llm = LLM(
@@ -31,11 +33,13 @@ def main() -> None:
     )
     engine = llm.engine
     rng = random.Random(0)
-    long_ids = [rng.randrange(100, engine.model.dims.vocab_size) for _ in range(args.tokens)]
+    vocab = engine.model.dims.vocab_size
     params = SamplingParams(temperature=0.0, max_tokens=1)
     first: dict[str, float] = {}
     clock = time.perf_counter()
-    engine.add_request("long", long_ids, params)
+    longs = [f"long{i}" if i else "long" for i in range(args.long_prompts)]
+    for rid in longs:
+        engine.add_request(rid, [rng.randrange(100, vocab) for _ in range(args.tokens)], params)
     short_at = None
     while engine.has_unfinished():
         if short_at is None and time.perf_counter() - clock >= args.after:
@@ -48,7 +52,9 @@ def main() -> None:
             {
                 "tokens": args.tokens,
                 "chunk": engine.scheduler.chunk,
-                "long prefill s": round(first["long"], 2),
+                "long prefill s": [round(first[rid], 2) for rid in longs]
+                if len(longs) > 1
+                else round(first["long"], 2),
                 "short arrived s": round(short_at, 2) if short_at is not None else None,
                 "short waited s": round(first["short"] - short_at, 2) if short_at is not None else None,
             }
