@@ -21,7 +21,7 @@ from kiln.engine.engine import LLMEngine
 from kiln.engine.metrics import Metrics
 from kiln.engine.pause import Pause, PauseMode, Pausing, Resuming
 from kiln.engine.pooler import Pooler
-from kiln.engine.prompt_embeds import GivenPrompt, PromptEmbeds, SplicedEmbeds
+from kiln.engine.prompt_embeds import GivenPrompt
 from kiln.engine.queue_limits import Overloaded, QueueLimits
 from kiln.engine.request_output import RequestOutput
 from kiln.engine.request_stream import RequestStream
@@ -116,7 +116,7 @@ class AsyncEngine:
         admission = self.admission
         admission.check_options(priority, cache_salt)
         bad_words = admission.check_params(params)
-        if isinstance(prompt, PromptEmbeds | SplicedEmbeds):
+        if isinstance(prompt, GivenPrompt):
             prompt = admission.check_embeds(prompt, params)
             prompt_ids = prompt.ids  # (placeholders where rows are given)
         else:

@@ -24,7 +24,7 @@ from kiln.engine.lora_slots import LoraSlots
 from kiln.engine.memory import kv_cache_blocks
 from kiln.engine.output import OutputProcessor, Parent
 from kiln.engine.pooler import resolve_pooler
-from kiln.engine.prompt_embeds import GivenPrompt, PromptEmbeds, SplicedEmbeds
+from kiln.engine.prompt_embeds import GivenPrompt
 from kiln.engine.request_output import RequestOutput
 from kiln.engine.runner import ModelRunner
 from kiln.engine.scheduler import ScheduledBatch, Scheduler
@@ -181,7 +181,7 @@ class LLMEngine:
             bad_words = admission.check_params(params)
         if lora is not None:
             self.loras.load(lora)
-        if isinstance(prompt, PromptEmbeds | SplicedEmbeds):
+        if isinstance(prompt, GivenPrompt):
             ids, embeds = admission.embeds_prompt(prompt, params)
             assert isinstance(params, SamplingParams)  # (embeds_prompt refuses pooling)
             children = admission.requests(request_id, ids, params, bad_words, priority, cache_salt, embeds)

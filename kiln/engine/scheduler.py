@@ -83,7 +83,6 @@ class Scheduler:
     def schedule(self) -> ScheduledBatch:
         budget, chunk = self.max_num_batched_tokens, self.chunk
         allowance = -1  # the long prefills' share: found where the first one needs it (a decode never does)
-        longs: set[Request] = set()  # those that took of it
         batch = ScheduledBatch([], [])
         max_drafts = 0 if self.drafter is None else self.drafter.k_for(len(self.running))
         i = 0
@@ -117,7 +116,8 @@ class Scheduler:
                         del batch.requests[k]
                         taken = batch.num_new_tokens.pop(k)
                         budget += taken
-                        allowance += taken if victim in longs else 0
+                        if victim.num_tokens + victim.num_pending - victim.num_computed_tokens > chunk:
+                            allowance += taken  # a long prefill's: back to the share
                         batch.drafts.pop(victim, None)
                 self._preempt(victim)
                 batch.num_preempted += 1
@@ -131,7 +131,6 @@ class Scheduler:
                 batch.num_new_tokens.append(num_new)
                 budget -= num_new
                 if long:
-                    longs.add(req)
                     allowance -= num_new
                 i += 1
         # After a preemption there is no room to spare: admitting would only thrash. A request whose grammar
